@@ -1,0 +1,70 @@
+"""The KV cache as a plain ``(k_cache, v_cache, seq_lens)`` 3-tuple: allocation, reset and inspection.
+
+The rules that govern what the tuple holds are stated once, in
+:func:`flashcore.ops.attention_with_kv_cache`. This module only creates and reads such tuples; it launches no
+kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+KVCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(k_cache [B, H_kv, S_max, D], v_cache [B, H_kv, S_max, D], seq_lens int32 [B])``."""
+
+SEQ_LENS_DTYPE = torch.int32
+
+
+def allocate_kv_cache(
+    batch_size: int,
+    num_kv_heads: int,
+    max_len: int,
+    head_dim: int,
+    *,
+    dtype: torch.dtype = torch.float16,
+    device: torch.device | str | None = None,
+) -> KVCache:
+    """Preallocates an empty cache for :func:`~flashcore.attention_with_kv_cache`.
+
+    The K and V buffers are uninitialised (``torch.empty``): the contract guarantees that memory past
+    ``seq_lens`` never reaches an output, so there is nothing to zero.
+
+    Args:
+        batch_size: B, the number of sequences.
+        num_kv_heads: H_kv.
+        max_len: S_max, the capacity of every row in tokens.
+        head_dim: D.
+        dtype: element type of K and V; must match the queries passed later.
+        device: where the buffers live.
+
+    Returns:
+        ``(k_cache, v_cache, seq_lens)`` with ``seq_lens`` int32 zeros of shape ``[batch_size]``.
+    """
+    for name, value in (
+        ("batch_size", batch_size),
+        ("num_kv_heads", num_kv_heads),
+        ("max_len", max_len),
+        ("head_dim", head_dim),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    shape = (batch_size, num_kv_heads, max_len, head_dim)
+    k_cache = torch.empty(shape, dtype=dtype, device=device)
+    v_cache = torch.empty(shape, dtype=dtype, device=device)
+    seq_lens = torch.zeros(batch_size, dtype=SEQ_LENS_DTYPE, device=device)
+    return k_cache, v_cache, seq_lens
+
+
+def reset_kv_cache(cache: KVCache) -> None:
+    """Empties every row in place (``seq_lens[:] = 0``); K and V keep their now-garbage contents."""
+    cache[2].zero_()
+
+
+def cached_keys_values(cache: KVCache, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns views ``(K [H_kv, L, D], V [H_kv, L, D])`` of the tokens row ``row`` holds.
+
+    Reads ``seq_lens[row]`` on the host, so this is for inspection and tests, not for a hot path.
+    """
+    k_cache, v_cache, seq_lens = cache
+    length = int(seq_lens[row])
+    return k_cache[row, :, :length], v_cache[row, :, :length]

@@ -1,0 +1,1 @@
+"""Triton kernels and their thin launchers; no validation or allocation policy lives here."""

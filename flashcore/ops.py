@@ -1,0 +1,312 @@
+"""``attention_with_kv_cache``: the one public op, its contract, its validation and its backend dispatch.
+
+Everything else in flashcore (the HF integration, the chat example, the benchmarks) calls this function and
+links to its docstring rather than restating the cache rules.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from flashcore.cache import SEQ_LENS_DTYPE, KVCache, allocate_kv_cache
+from flashcore.reference import attention_with_kv_cache_torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+BACKENDS = ("auto", "triton", "torch")
+
+
+def attention_with_kv_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    past_key_value: KVCache | None = None,
+    *,
+    is_causal: bool = True,
+    scale: float | None = None,
+    query_lens: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    cache_max_len: int | None = None,
+    backend: str = "auto",
+    check: bool | None = None,
+) -> tuple[torch.Tensor, KVCache]:
+    """Appends new keys/values to a preallocated KV cache and attends to it, in one call.
+
+    **Side effects first.** The call writes ``k_cache`` and ``v_cache`` in place at each row's offset and
+    advances ``seq_lens`` in place. The returned cache tuple holds the same tensor objects that were passed
+    in. A call that raises writes nothing: K, V and ``seq_lens`` stay bit-identical.
+
+    **The cache rule.** Let ``L_b = seq_lens[b]`` before the call and ``n_b = query_lens[b]`` (``S_q`` when
+    ``query_lens`` is None).
+
+    - Row b holds ``L_b`` tokens at cache positions ``[0, L_b)``.
+    - The call writes ``key[b, :, :n_b]`` and ``value[b, :, :n_b]`` at positions ``[L_b, L_b + n_b)``.
+    - New token i sits at position ``L_b + i``. It attends to every position ``<= L_b + i`` when causal,
+      or to all of ``[0, L_b + n_b)`` when not. ``sliding_window=W`` further restricts the token at position
+      ``p`` to positions in ``(p - W, p]``.
+    - Output rows ``i >= n_b`` are zero, and nothing is written for them.
+    - Then ``seq_lens[b] += n_b``, in place.
+    - Cache memory at positions ``>= seq_lens[b]`` is garbage. It may hold NaN, and it never changes an
+      output: it is never loaded unmasked.
+
+    Prefill (``S_q`` large), decode (``S_q == 1``) and mixed batches (``query_lens`` differing per row) are the
+    same rule; one launch serves them all.
+
+    **Causal alignment is bottom-right.** With ``L_b = 3`` cached tokens and 2 new ones (1 = attended)::
+
+                    cache  0 1 2 | new 3 4
+        new token 0 (pos 3)    1 1 1 |     1 0
+        new token 1 (pos 4)    1 1 1 |     1 1
+
+    **GQA.** ``H_q`` must be a multiple of ``H_kv``; query head h reads KV head ``h // (H_q // H_kv)``. For
+    SmolLM2 (9 query heads over 3 KV heads): q heads 0-2 read kv head 0, 3-5 read kv head 1, 6-8 read 2.
+
+    Args:
+        query: ``[B, H_q, S_q, D]``, float16, bfloat16 or float32. Any strides.
+        key: ``[B, H_kv, S_q, D]``, the new tokens' keys, same dtype and device. Any strides.
+        value: ``[B, H_kv, S_q, D]``, the new tokens' values. Any strides.
+        past_key_value: ``(k_cache [B, H_kv, S_max, D], v_cache [B, H_kv, S_max, D], seq_lens [B])``, with
+            K and V of the query's dtype and ``seq_lens`` ``torch.int32`` (never converted: a converted copy
+            would lose the in-place update). Any strides. None allocates a fresh cache of ``cache_max_len``
+            tokens (see :func:`flashcore.allocate_kv_cache`).
+        is_causal: bottom-right causal masking (see above). False lets every new token see all
+            ``L_b + n_b`` tokens.
+        scale: softmax scale; None means ``1 / sqrt(D)``.
+        query_lens: ``int32 [B]``, optional. Row b has ``query_lens[b] <= S_q`` valid new tokens, the first
+            ones; the rest are padding. None means ``S_q`` for every row.
+        sliding_window: W >= 1, or None for no window.
+        cache_max_len: only with ``past_key_value=None``: the capacity ``S_max`` of the new cache.
+        backend: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), ``"torch"``
+            (plain PyTorch, any device), or ``"auto"``: triton on CUDA or under the interpreter, torch
+            otherwise. Nothing ever falls back silently from one backend to the other.
+        check: run the value checks (capacity, negative lengths), which read ``seq_lens`` on the host once
+            (one batched reduction, one sync). None means: check, unless the current CUDA stream is being
+            captured into a graph or ``torch.compile`` is tracing. With ``check=False`` the kernel still
+            never writes out of bounds; tokens past capacity are simply not stored.
+
+    Returns:
+        ``(out, past_key_value)``: ``out`` is ``[B, H_q, S_q, D]`` in the query's dtype, contiguous; the cache
+        tuple is the (mutated) input tuple, or the newly allocated one.
+
+    Raises:
+        TypeError: a tensor argument of the wrong type or dtype (e.g. ``seq_lens`` not ``torch.int32``).
+        ValueError: mismatched shapes, heads, head_dim, batch or device; a row that would overflow its cache
+            (``L_b + n_b > S_max``; the message names the row and the sizes); ``query_lens`` outside
+            ``[0, S_q]``; negative ``seq_lens``; an unknown backend or bad scalar.
+        NotImplementedError: the triton backend asked for where it cannot run (CPU without the interpreter).
+
+    Example: ``tests/test_contract.py::test_prefill_then_decode_matches_sdpa_each_step``.
+    """
+    if past_key_value is None:
+        past_key_value = _allocate_for_call(query, key, cache_max_len)
+    elif cache_max_len is not None:
+        raise ValueError(
+            "cache_max_len is only used when past_key_value is None; the passed cache already fixes S_max"
+        )
+    k_cache, v_cache, seq_lens = past_key_value
+    resolved_backend = _resolve_backend(backend, query)
+    _validate_metadata(query, key, value, k_cache, v_cache, seq_lens, query_lens, scale, sliding_window)
+    if check is None:
+        check = not _is_capturing_or_tracing()
+    if check:
+        _validate_lengths(seq_lens, query_lens, query.shape[2], k_cache.shape[2])
+
+    args = (
+        query,
+        key,
+        value,
+        k_cache,
+        v_cache,
+        seq_lens,
+        query_lens,
+        is_causal,
+        scale if scale is not None else 1.0 / math.sqrt(query.shape[-1]),
+        sliding_window or 0,
+        resolved_backend,
+    )
+    # The registered op is what torch.compile traces; in eager mode we skip the dispatcher's per-call
+    # overhead (tens of microseconds) because a decode step is only a few microseconds of GPU work.
+    if torch.compiler.is_compiling():
+        out = torch.ops.flashcore.attention_with_kv_cache(*args)
+    else:
+        out = _attention_with_kv_cache_impl(*args)
+    return out, past_key_value
+
+
+@torch.library.custom_op("flashcore::attention_with_kv_cache", mutates_args=("k_cache", "v_cache", "seq_lens"))
+def _attention_with_kv_cache_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    sliding_window: int,
+    backend: str,
+) -> torch.Tensor:
+    return _attention_with_kv_cache_impl(
+        query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window, backend
+    )
+
+
+@_attention_with_kv_cache_op.register_fake
+def _(query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window, backend):
+    return query.new_empty(query.shape)
+
+
+def _attention_with_kv_cache_impl(
+    query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window, backend
+) -> torch.Tensor:
+    if backend == "torch":
+        run = attention_with_kv_cache_torch
+    else:
+        from flashcore.kernels.attention import attention_with_kv_cache_triton as run
+    return run(query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window)
+
+
+def _allocate_for_call(query: torch.Tensor, key: torch.Tensor, cache_max_len: int | None) -> KVCache:
+    if cache_max_len is None:
+        raise ValueError(
+            "past_key_value is None, so a cache must be allocated: pass cache_max_len=<capacity in tokens>, "
+            "or pass past_key_value=flashcore.allocate_kv_cache(...)"
+        )
+    if key.dim() != 4:
+        raise ValueError(f"key must be [B, H_kv, S_q, D], got shape {tuple(key.shape)}")
+    batch_size, num_kv_heads, _, head_dim = key.shape
+    return allocate_kv_cache(
+        batch_size, num_kv_heads, cache_max_len, head_dim, dtype=query.dtype, device=query.device
+    )
+
+
+def _triton_interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _resolve_backend(backend: str, query: torch.Tensor) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    runs_triton = query.is_cuda or _triton_interpreter_enabled()
+    if backend == "auto":
+        return "triton" if runs_triton else "torch"
+    if backend == "triton" and not runs_triton:
+        raise NotImplementedError(
+            f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported to run "
+            f"the kernels on the CPU; got tensors on {query.device}. Use backend='torch' (or 'auto') on the CPU."
+        )
+    return backend
+
+
+def _is_capturing_or_tracing() -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _validate_metadata(query, key, value, k_cache, v_cache, seq_lens, query_lens, scale, sliding_window):
+    """Shape/dtype/device checks; reads host metadata only, so it is safe under graph capture."""
+    for name, tensor in (
+        ("query", query),
+        ("key", key),
+        ("value", value),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("seq_lens", seq_lens),
+    ):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    for name, tensor in (("query", query), ("key", key), ("value", value)):
+        if tensor.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, S_q, D], got shape {tuple(tensor.shape)}")
+    batch, num_q_heads, num_new, head_dim = query.shape
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
+    if key.shape[0] != batch or key.shape[2] != num_new or key.shape[3] != head_dim:
+        raise ValueError(
+            f"key/value must be [B, H_kv, S_q, D] = [{batch}, H_kv, {num_new}, {head_dim}] to match query "
+            f"{tuple(query.shape)}, got {tuple(key.shape)}"
+        )
+    num_kv_heads = key.shape[1]
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"query heads ({num_q_heads}) must be a multiple of key/value heads ({num_kv_heads}) for GQA; "
+            f"check the head dimension (dim 1) of query and key"
+        )
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim (query.shape[-1]) must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    if query.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"query dtype must be one of {SUPPORTED_DTYPES}, got {query.dtype}")
+    for name, tensor in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if tensor.dtype != query.dtype:
+            raise TypeError(
+                f"{name} dtype {tensor.dtype} must match query dtype {query.dtype}; cast with .to({query.dtype})"
+            )
+    for name, tensor in (
+        ("key", key),
+        ("value", value),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("seq_lens", seq_lens),
+    ):
+        if tensor.device != query.device:
+            raise ValueError(f"{name} is on {tensor.device} but query is on {query.device}; move it with .to()")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [B, H_kv, S_max, D], got {tuple(k_cache.shape)} and "
+            f"{tuple(v_cache.shape)}"
+        )
+    cache_batch, cache_heads, _, cache_head_dim = k_cache.shape
+    if (cache_batch, cache_heads, cache_head_dim) != (batch, num_kv_heads, head_dim):
+        raise ValueError(
+            f"k_cache/v_cache {tuple(k_cache.shape)} must be [B={batch}, H_kv={num_kv_heads}, S_max, "
+            f"D={head_dim}] to match key {tuple(key.shape)}; allocate the cache with these sizes"
+        )
+    _validate_lengths_tensor("seq_lens", seq_lens, batch, query.device)
+    if query_lens is not None:
+        _validate_lengths_tensor("query_lens", query_lens, batch, query.device)
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be an int >= 1 or None, got {sliding_window!r}")
+
+
+def _validate_lengths_tensor(name: str, tensor, batch: int, device: torch.device) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor of shape [{batch}], got {type(tensor).__name__}")
+    if tensor.dtype != SEQ_LENS_DTYPE:
+        fix = "pass seq_lens.int() once when allocating the cache" if name == "seq_lens" else f"pass {name}.int()"
+        raise TypeError(f"{name} must be torch.int32, got {tensor.dtype}; {fix}")
+    if tensor.shape != (batch,):
+        raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(tensor.shape)}")
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but query is on {device}; move it with .to()")
+
+
+def _validate_lengths(
+    seq_lens: torch.Tensor, query_lens: torch.Tensor | None, num_new: int, capacity: int
+) -> None:
+    """Value checks in one batched reduction and one host sync; details are gathered only on failure."""
+    new_tokens = query_lens if query_lens is not None else torch.full_like(seq_lens, num_new)
+    is_bad = (seq_lens < 0) | (new_tokens < 0) | (new_tokens > num_new) | (seq_lens + new_tokens > capacity)
+    if not bool(is_bad.any()):
+        return
+    lengths, news = seq_lens.tolist(), new_tokens.tolist()
+    for row, (length, new) in enumerate(zip(lengths, news)):
+        if length < 0:
+            raise ValueError(f"seq_lens[{row}] = {length} is negative; a row holds seq_lens[b] >= 0 tokens")
+        if not 0 <= new <= num_new:
+            raise ValueError(
+                f"query_lens[{row}] = {new} must be in [0, S_q={num_new}]: a row's valid new tokens are the "
+                f"first query_lens[b] of the S_q passed"
+            )
+        if length + new > capacity:
+            raise ValueError(
+                f"KV cache overflow in row {row}: seq_lens[{row}] = {length} cached + {new} new tokens = "
+                f"{length + new} > cache capacity S_max = {capacity}. Allocate a longer cache (max_len / "
+                f"cache_max_len) or reset the row; nothing was written"
+            )

@@ -1,0 +1,58 @@
+"""Shared test setup: where the suite runs, the Triton interpreter switch, per-test seeds and tolerances.
+
+``FLASHCORE_TEST_DEVICE=cuda`` moves the whole suite onto the GPU (triton compiled for real, bf16 included).
+Unset or ``cpu``, the Triton kernels run on the CPU through ``TRITON_INTERPRET=1``, which must be set before
+triton is first imported; that is why it is set here, at collection time.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+
+TEST_DEVICE = os.environ.get("FLASHCORE_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402  (after the interpreter switch)
+
+ON_GPU = TEST_DEVICE == "cuda"
+if ON_GPU and not torch.cuda.is_available():
+    raise RuntimeError("FLASHCORE_TEST_DEVICE=cuda but torch sees no CUDA device")
+
+# The interpreter gives garbage for a bf16 tl.dot (seen with triton 3.9), so bf16 runs on the GPU only.
+DTYPES = [torch.float32, torch.float16, torch.bfloat16] if ON_GPU else [torch.float32, torch.float16]
+
+# Max-abs-error bounds against the fp64 oracle, for N(0, 1) inputs and softmax outputs bounded by max|V|.
+TOLERANCES = {
+    # fp32 math, but the GPU's tl.dot on fp32 may round operands to tf32 (10-bit mantissa): ~1e-3 relative.
+    torch.float32: 2e-3 if ON_GPU else 1e-4,
+    # fp16 inputs are exact; P is rounded to fp16 before P @ V and the output is stored in fp16 (eps 2^-11).
+    torch.float16: 1e-2,
+    # bf16 has an 8-bit mantissa (eps 2^-8): output rounding alone is ~4e-3 on values of size ~1.
+    torch.bfloat16: 3e-2,
+}
+
+
+@pytest.fixture
+def device() -> torch.device:
+    return torch.device(TEST_DEVICE)
+
+
+@pytest.fixture
+def generator(request) -> torch.Generator:
+    """A generator seeded from the test id: fresh inputs per case, reproducible per case."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def randn(shape, *, generator: torch.Generator, dtype: torch.dtype, device) -> torch.Tensor:
+    """N(0, 1) data drawn on the CPU (so the draw does not depend on the device), then moved."""
+    return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype=dtype, device=device)
+
+
+def poison_(tensor: torch.Tensor) -> torch.Tensor:
+    """Fills a tensor with NaN in place: a slot that should never be read, or never left unwritten."""
+    return tensor.fill_(float("nan"))
