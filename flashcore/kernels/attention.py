@@ -1,0 +1,252 @@
+"""The append-and-attend kernel: one body for prefill, decode and mixed batches, plus its thin launcher.
+
+Semantics are :func:`flashcore.ops.attention_with_kv_cache`'s. The kernel never reads the slots it appends
+to: the cached prefix ``[0, L_b)`` comes from the cache and the new tokens come straight from ``key`` and
+``value``. That makes the append race-free inside one launch (no program waits for another's write) and is
+why prefill, decode and mixed rows can share it.
+
+Grid: ``(M blocks, B * H_kv, KV splits)``. The M dimension packs (new token, query head of the GQA group)
+pairs, row ``r`` being token ``r // GROUP`` of query head ``kv_head * GROUP + r % GROUP``, so each K/V tile
+is loaded once per KV head rather than once per query head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from flashcore.kernels import configs
+from flashcore.kernels.common import _attend_tiles, _load_tile
+from flashcore.kernels.split_kv import merge_kv_splits
+
+LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
+
+
+@triton.jit
+def _attention_with_kv_cache_kernel(
+    q_ptr,  # [B, H_q, S_q, D]
+    k_ptr,  # [B, H_kv, S_q, D]: the new tokens' keys
+    v_ptr,  # [B, H_kv, S_q, D]
+    k_cache_ptr,  # [B, H_kv, S_max, D]
+    v_cache_ptr,  # [B, H_kv, S_max, D]
+    seq_lens_ptr,  # [B] int32: tokens cached before this call; only read here
+    query_lens_ptr,  # [B] int32: valid new tokens per row; only read when HAS_QUERY_LENS
+    out_ptr,  # [B, H_q, S_q, D]; with USE_SPLIT_KV, fp32 partials [B, H_q, S_q, splits, D]
+    lse_ptr,  # USE_SPLIT_KV only: [B, H_q, S_q, splits] fp32 log2-sum-exp of each partial
+    stride_q_b,
+    stride_q_h,
+    stride_q_s,
+    stride_q_d,
+    stride_k_b,
+    stride_k_h,
+    stride_k_s,
+    stride_k_d,
+    stride_v_b,
+    stride_v_h,
+    stride_v_s,
+    stride_v_d,
+    stride_kc_b,
+    stride_kc_h,
+    stride_kc_s,
+    stride_kc_d,
+    stride_vc_b,
+    stride_vc_h,
+    stride_vc_s,
+    stride_vc_d,
+    stride_o_b,
+    stride_o_h,
+    stride_o_s,
+    stride_o_split,
+    stride_o_d,
+    stride_lse_b,
+    stride_lse_h,
+    stride_lse_s,
+    num_kv_heads,
+    num_new,  # S_q
+    capacity,  # S_max
+    qk_scale,
+    window,
+    GROUP: tl.constexpr,  # H_q // H_kv
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    HAS_QUERY_LENS: tl.constexpr,
+    USE_SPLIT_KV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM_PAD >= 16, "tl.dot needs tiles >= 16")
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    batch = (pid_bh // num_kv_heads).to(tl.int64)
+    kv_head = (pid_bh % num_kv_heads).to(tl.int64)
+
+    # -- row metadata --
+    # check=False may let seq_lens exceed the capacity; reads and writes stay inside the cache regardless.
+    seq_len = tl.minimum(tl.load(seq_lens_ptr + batch), capacity)
+    if HAS_QUERY_LENS:
+        row_new = tl.load(query_lens_ptr + batch)
+    else:
+        row_new = num_new
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_d = offs_d < HEAD_DIM
+    HAS_D_MASK: tl.constexpr = HEAD_DIM != HEAD_DIM_PAD
+    token = offs_m // GROUP
+    head = kv_head * GROUP + offs_m % GROUP
+    is_row_in_grid = token < num_new
+    is_row_new = token < row_new
+    first_token = (pid_m * BLOCK_M) // GROUP
+    last_token = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, row_new - 1)
+
+    k_new_ptr = k_ptr + batch * stride_k_b + kv_head * stride_k_h
+    v_new_ptr = v_ptr + batch * stride_v_b + kv_head * stride_v_h
+    k_cache_row_ptr = k_cache_ptr + batch * stride_kc_b + kv_head * stride_kc_h
+    v_cache_row_ptr = v_cache_ptr + batch * stride_vc_b + kv_head * stride_vc_h
+
+    # -- append new K/V --
+    # Each token is written by the M block that holds its first packed row, so no slot is written twice.
+    if split == 0:
+        append_token = tl.cdiv(pid_m * BLOCK_M, GROUP) + tl.arange(0, BLOCK_M)
+        append_end = tl.minimum(tl.cdiv(pid_m * BLOCK_M + BLOCK_M, GROUP), row_new)
+        mask_append = (append_token < append_end) & (seq_len + append_token < capacity)
+        mask_append_2d = mask_append[:, None] & mask_d[None, :]
+        src = append_token[:, None] * stride_k_s + offs_d[None, :] * stride_k_d
+        dst = (seq_len + append_token)[:, None] * stride_kc_s + offs_d[None, :] * stride_kc_d
+        tl.store(k_cache_row_ptr + dst, tl.load(k_new_ptr + src, mask=mask_append_2d), mask=mask_append_2d)
+        src = append_token[:, None] * stride_v_s + offs_d[None, :] * stride_v_d
+        dst = (seq_len + append_token)[:, None] * stride_vc_s + offs_d[None, :] * stride_vc_d
+        tl.store(v_cache_row_ptr + dst, tl.load(v_new_ptr + src, mask=mask_append_2d), mask=mask_append_2d)
+
+    q_offsets = head[:, None] * stride_q_h + token[:, None] * stride_q_s + offs_d[None, :] * stride_q_d
+    q = _load_tile(q_ptr + batch * stride_q_b + q_offsets, is_row_new, mask_d, True, HAS_D_MASK)
+    query_pos = seq_len + token
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    is_block_live = first_token < row_new  # a block of padding rows only writes zeros
+
+    # -- attend: cached prefix, no mask --
+    # Every cached position precedes every new token, so the causal mask never bites here; only the tail
+    # tile (length) and, with a window, the window's lower edge are masked.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    cache_lo = split * split_len
+    cache_hi = tl.minimum(cache_lo + split_len, seq_len)
+    if USE_WINDOW:
+        cache_lo = tl.maximum(cache_lo, ((seq_len + first_token - window + 1) // BLOCK_N) * BLOCK_N)
+    cache_hi = tl.where(is_block_live, cache_hi, cache_lo)
+    cache_full_hi = tl.maximum(cache_lo, cache_lo + ((cache_hi - cache_lo) // BLOCK_N) * BLOCK_N)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_cache_row_ptr, v_cache_row_ptr, stride_kc_s, stride_kc_d,
+        cache_lo, cache_full_hi, seq_len, 0, query_pos, qk_scale, window, offs_d, mask_d,
+        BLOCK_N, HAS_D_MASK, False, False, USE_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_cache_row_ptr, v_cache_row_ptr, stride_kc_s, stride_kc_d,
+        cache_full_hi, cache_hi, cache_hi, 0, query_pos, qk_scale, window, offs_d, mask_d,
+        BLOCK_N, HAS_D_MASK, True, False, USE_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+
+    # -- attend: new tokens, straight from key/value (the last split owns them) --
+    new_hi = tl.where(is_block_live & (split == num_splits - 1), last_token + 1, 0)
+    if IS_CAUSAL:
+        # Keys before the block's first token are visible to all its rows: no mask off the diagonal band.
+        band_lo = tl.minimum((first_token // BLOCK_N) * BLOCK_N, new_hi)
+    else:
+        new_hi = tl.where(new_hi > 0, row_new, 0)
+        band_lo = (new_hi // BLOCK_N) * BLOCK_N
+    new_lo = 0
+    if USE_WINDOW:
+        new_lo = tl.minimum(tl.maximum(0, ((first_token - window + 1) // BLOCK_N) * BLOCK_N), band_lo)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_new_ptr, v_new_ptr, stride_k_s, stride_k_d,
+        new_lo, band_lo, row_new, seq_len, query_pos, qk_scale, window, offs_d, mask_d,
+        BLOCK_N, HAS_D_MASK, False, False, USE_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_new_ptr, v_new_ptr, stride_k_s, stride_k_d,
+        band_lo, new_hi, new_hi, seq_len, query_pos, qk_scale, window, offs_d, mask_d,
+        BLOCK_N, HAS_D_MASK, True, IS_CAUSAL, USE_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+
+    # -- epilogue --
+    # Rows past query_lens, and rows that saw no key at all (an empty split), produce exactly 0.
+    has_keys = is_row_new & (l_i > 0.0)
+    out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+    mask_out = is_row_in_grid[:, None] & mask_d[None, :]
+    out_offsets = head[:, None] * stride_o_h + token[:, None] * stride_o_s + offs_d[None, :] * stride_o_d
+    out_row_ptr = out_ptr + batch * stride_o_b + split * stride_o_split
+    if USE_SPLIT_KV:
+        tl.store(out_row_ptr + out_offsets, out, mask=mask_out)
+        lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        lse_offsets = batch * stride_lse_b + head * stride_lse_h + token * stride_lse_s + split
+        tl.store(lse_ptr + lse_offsets, lse, mask=is_row_in_grid)
+    else:
+        tl.store(out_row_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask_out)
+
+
+def attention_with_kv_cache_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_lens: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """Launches the kernel (and the split merge when the prefix is split); arguments are validated already."""
+    batch, num_q_heads, num_new, head_dim = query.shape
+    num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if batch == 0 or num_new == 0:
+        return out
+    config = configs.attention_config(num_new * group, head_dim)
+    num_m_blocks = triton.cdiv(num_new * group, config.block_m)
+    num_splits = configs.num_kv_splits(num_m_blocks * batch * num_kv_heads, capacity, query.device)
+    if num_splits > 1:
+        partial_out = torch.empty(
+            (batch, num_q_heads, num_new, num_splits, head_dim), dtype=torch.float32, device=query.device
+        )
+        partial_lse = torch.empty((batch, num_q_heads, num_new, num_splits), dtype=torch.float32, device=query.device)
+        target, lse = partial_out, partial_lse
+        stride_o = partial_out.stride()
+    else:
+        target, lse = out, out  # lse_ptr is unused without USE_SPLIT_KV
+        stride_o = (*out.stride()[:3], 0, out.stride(3))
+    stride_lse = partial_lse.stride()[:3] if num_splits > 1 else (0, 0, 0)
+
+    _attention_with_kv_cache_kernel[(num_m_blocks, batch * num_kv_heads, num_splits)](
+        query, key, value, k_cache, v_cache, seq_lens, query_lens if query_lens is not None else seq_lens,
+        target, lse,
+        *query.stride(), *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        *stride_o, *stride_lse,
+        num_kv_heads, num_new, capacity, scale * LOG2_E, sliding_window,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=configs.head_dim_padded(head_dim),
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        IS_CAUSAL=is_causal,
+        USE_WINDOW=sliding_window > 0,
+        HAS_QUERY_LENS=query_lens is not None,
+        USE_SPLIT_KV=num_splits > 1,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        merge_kv_splits(partial_out, partial_lse, out, seq_lens, query_lens)
+    elif query_lens is not None:
+        seq_lens.add_(query_lens)
+    else:
+        seq_lens.add_(num_new)
+    return out

@@ -1,0 +1,72 @@
+"""Launch configurations: block sizes, warps, pipeline stages and the number of KV splits, keyed by shape.
+
+Everything here is a pure function of host-side shapes (never of ``seq_lens`` values, which live on the
+device), so a choice is stable across decode steps and safe to make during CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+# The interpreter has no SMs. Pretending to have a few makes the small shapes of the CPU test suite take the
+# split-KV path as well as the single-pass path.
+INTERPRETER_NUM_SMS = 8
+# A split shorter than this spends more on its partial write and merge than it saves.
+MIN_TOKENS_PER_SPLIT = 256
+MAX_KV_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int  # rows of the packed (query token x query head in the group) dimension
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+def head_dim_padded(head_dim: int) -> int:
+    # tl.dot needs every dimension >= 16, and tl.arange a power of two.
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def attention_config(packed_rows: int, head_dim: int) -> AttentionConfig:
+    """Decode-like calls (few packed rows) use one small M tile and stream K/V; prefill uses FA2-size tiles.
+
+    ``packed_rows = S_q * group``: the new tokens times the query heads that share one KV head.
+    """
+    head_dim_pad = head_dim_padded(head_dim)
+    if packed_rows <= 64:
+        block_m = max(16, triton.next_power_of_2(packed_rows))
+        block_n = 64 if head_dim_pad <= 128 else 32
+        return AttentionConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3)
+    if head_dim_pad <= 64:
+        return AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim_pad <= 128:
+        return AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    # head_dim 256: a 128x256 Q tile plus double-buffered K/V tiles must fit in shared memory.
+    return AttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_kv_splits(num_programs: int, capacity: int, device: torch.device) -> int:
+    """FA3's idea: the fewest splits of the cached prefix that fill every SM with at least one program.
+
+    The real lengths are on the device, so the cache capacity ``S_max`` bounds the work instead. Splits of a
+    short row simply end early; an empty split contributes nothing to the merge.
+    """
+    sms = num_sms(device)
+    if num_programs >= sms:
+        return 1
+    splits_to_fill = triton.cdiv(sms, num_programs)
+    splits_worth_it = max(1, capacity // MIN_TOKENS_PER_SPLIT)
+    return min(splits_to_fill, splits_worth_it, MAX_KV_SPLITS)
