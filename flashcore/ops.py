@@ -103,9 +103,7 @@ def attention_with_kv_cache(
     if past_key_value is None:
         past_key_value = _allocate_for_call(query, key, cache_max_len)
     elif cache_max_len is not None:
-        raise ValueError(
-            "cache_max_len is only used when past_key_value is None; the passed cache already fixes S_max"
-        )
+        raise ValueError("cache_max_len is only used when past_key_value is None; the passed cache already fixes S_max")
     k_cache, v_cache, seq_lens = past_key_value
     resolved_backend = _resolve_backend(backend, query)
     _validate_metadata(query, key, value, k_cache, v_cache, seq_lens, query_lens, scale, sliding_window)
@@ -179,9 +177,7 @@ def _allocate_for_call(query: torch.Tensor, key: torch.Tensor, cache_max_len: in
     if key.dim() != 4:
         raise ValueError(f"key must be [B, H_kv, S_q, D], got shape {tuple(key.shape)}")
     batch_size, num_kv_heads, _, head_dim = key.shape
-    return allocate_kv_cache(
-        batch_size, num_kv_heads, cache_max_len, head_dim, dtype=query.dtype, device=query.device
-    )
+    return allocate_kv_cache(batch_size, num_kv_heads, cache_max_len, head_dim, dtype=query.dtype, device=query.device)
 
 
 def _triton_interpreter_enabled() -> bool:
@@ -287,16 +283,14 @@ def _validate_lengths_tensor(name: str, tensor, batch: int, device: torch.device
         raise ValueError(f"{name} is on {tensor.device} but query is on {device}; move it with .to()")
 
 
-def _validate_lengths(
-    seq_lens: torch.Tensor, query_lens: torch.Tensor | None, num_new: int, capacity: int
-) -> None:
+def _validate_lengths(seq_lens: torch.Tensor, query_lens: torch.Tensor | None, num_new: int, capacity: int) -> None:
     """Value checks in one batched reduction and one host sync; details are gathered only on failure."""
     new_tokens = query_lens if query_lens is not None else torch.full_like(seq_lens, num_new)
     is_bad = (seq_lens < 0) | (new_tokens < 0) | (new_tokens > num_new) | (seq_lens + new_tokens > capacity)
     if not bool(is_bad.any()):
         return
     lengths, news = seq_lens.tolist(), new_tokens.tolist()
-    for row, (length, new) in enumerate(zip(lengths, news)):
+    for row, (length, new) in enumerate(zip(lengths, news, strict=True)):
         if length < 0:
             raise ValueError(f"seq_lens[{row}] = {length} is negative; a row holds seq_lens[b] >= 0 tokens")
         if not 0 <= new <= num_new:

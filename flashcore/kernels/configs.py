@@ -51,7 +51,7 @@ def attention_config(packed_rows: int, head_dim: int) -> AttentionConfig:
     return AttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_NUM_SMS
