@@ -12,6 +12,8 @@ is loaded once per KV head rather than once per query head.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -32,8 +34,10 @@ def _attention_with_kv_cache_kernel(
     v_cache_ptr,  # [B, H_kv, S_max, D]
     seq_lens_ptr,  # [B] int32: tokens cached before this call; only read here
     query_lens_ptr,  # [B] int32: valid new tokens per row; only read when HAS_QUERY_LENS
-    out_ptr,  # [B, H_q, S_q, D]; with USE_SPLIT_KV, fp32 partials [B, H_q, S_q, splits, D]
-    lse_ptr,  # USE_SPLIT_KV only: [B, H_q, S_q, splits] fp32 log2-sum-exp of each partial
+    out_ptr,  # [B, H_q, S_q, D], contiguous
+    partial_out_ptr,  # USE_SPLIT_KV only: [B * H_q * S_q, splits, D] fp32 normalised partial outputs
+    partial_lse_ptr,  # USE_SPLIT_KV only: [B * H_q * S_q, splits] fp32 log2-sum-exp of each partial
+    row_tickets_ptr,  # [B] int32, zero between calls: without USE_SPLIT_KV, the last program of a row resets it
     stride_q_b,
     stride_q_h,
     stride_q_s,
@@ -54,14 +58,6 @@ def _attention_with_kv_cache_kernel(
     stride_vc_h,
     stride_vc_s,
     stride_vc_d,
-    stride_o_b,
-    stride_o_h,
-    stride_o_s,
-    stride_o_split,
-    stride_o_d,
-    stride_lse_b,
-    stride_lse_h,
-    stride_lse_s,
     num_kv_heads,
     num_new,  # S_q
     capacity,  # S_max
@@ -79,7 +75,9 @@ def _attention_with_kv_cache_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM_PAD >= 16, "tl.dot needs tiles >= 16")
-    pid_m = tl.program_id(0)
+    num_m_blocks = tl.num_programs(0)
+    # Under a causal mask the last M blocks see the most keys; starting them first shortens the tail wave.
+    pid_m = num_m_blocks - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -88,7 +86,8 @@ def _attention_with_kv_cache_kernel(
 
     # -- row metadata --
     # check=False may let seq_lens exceed the capacity; reads and writes stay inside the cache regardless.
-    seq_len = tl.minimum(tl.load(seq_lens_ptr + batch), capacity)
+    seq_len_before = tl.load(seq_lens_ptr + batch)
+    seq_len = tl.minimum(seq_len_before, capacity)
     if HAS_QUERY_LENS:
         row_new = tl.load(query_lens_ptr + batch)
     else:
@@ -179,15 +178,51 @@ def _attention_with_kv_cache_kernel(
     has_keys = is_row_new & (l_i > 0.0)
     out = tl.where(has_keys[:, None], acc / tl.where(has_keys, l_i, 1.0)[:, None], 0.0)
     mask_out = is_row_in_grid[:, None] & mask_d[None, :]
-    out_offsets = head[:, None] * stride_o_h + token[:, None] * stride_o_s + offs_d[None, :] * stride_o_d
-    out_row_ptr = out_ptr + batch * stride_o_b + split * stride_o_split
+    row_index = (batch * num_kv_heads * GROUP + head) * num_new + token  # flat (batch, q head, token)
+    out_ptrs = out_ptr + row_index[:, None] * HEAD_DIM + offs_d[None, :]
     if USE_SPLIT_KV:
-        tl.store(out_row_ptr + out_offsets, out, mask=mask_out)
+        # The merge launch that follows writes out and advances seq_lens.
+        partial_rows = row_index * num_splits + split
+        tl.store(partial_out_ptr + partial_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_out)
         lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        lse_offsets = batch * stride_lse_b + head * stride_lse_h + token * stride_lse_s + split
-        tl.store(lse_ptr + lse_offsets, lse, mask=is_row_in_grid)
+        tl.store(partial_lse_ptr + partial_rows, lse, mask=is_row_in_grid)
     else:
-        tl.store(out_row_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask_out)
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_out)
+        # -- advance seq_lens, once every program of the row has read it --
+        # acq_rel orders each program's read of seq_lens before its ticket, so the last taker may write.
+        row_ticket_ptr = row_tickets_ptr + batch
+        if tl.atomic_add(row_ticket_ptr, 1, sem="acq_rel") == num_m_blocks * num_kv_heads - 1:
+            tl.store(seq_lens_ptr + batch, seq_len_before + row_new)
+            tl.atomic_xchg(row_ticket_ptr, 0)
+
+
+@functools.cache
+def _launch_plan(packed_rows: int, head_dim: int, batch_kv_heads: int, capacity: int, device: torch.device):
+    """Config, M blocks and KV splits depend on shapes only, so they are computed once per shape."""
+    config = configs.attention_config(packed_rows, head_dim)
+    num_m_blocks = triton.cdiv(packed_rows, config.block_m)
+    num_splits = configs.num_kv_splits(num_m_blocks * batch_kv_heads, capacity, device)
+    return config, num_m_blocks, num_splits
+
+
+_row_tickets_by_device: dict[torch.device, torch.Tensor] = {}
+
+
+def _zeroed_row_tickets(device: torch.device, size: int) -> torch.Tensor:
+    """Per-row ticket counters for the unsplit path: allocated zeroed once per device, left zeroed by every launch.
+
+    Launches on one device therefore share them, which is safe because a stream runs its launches in order;
+    two streams running flashcore at the same time on one device are not supported. A buffer first needed
+    while a CUDA graph is being captured belongs to that graph (its zeroing is a node of the graph) and is
+    not kept for eager calls, whose memory it would otherwise leave unzeroed.
+    """
+    tickets = _row_tickets_by_device.get(device)
+    if tickets is not None and tickets.numel() >= size:
+        return tickets
+    tickets = torch.zeros(size, dtype=torch.int32, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _row_tickets_by_device[device] = tickets
+    return tickets
 
 
 def attention_with_kv_cache_triton(
@@ -202,33 +237,28 @@ def attention_with_kv_cache_triton(
     scale: float,
     sliding_window: int,
 ) -> torch.Tensor:
-    """Launches the kernel (and the split merge when the prefix is split); arguments are validated already."""
+    """One launch (append, attention, seq_lens update), plus the merge launch when the prefix is split."""
     batch, num_q_heads, num_new, head_dim = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if batch == 0 or num_new == 0:
         return out
-    config = configs.attention_config(num_new * group, head_dim)
-    num_m_blocks = triton.cdiv(num_new * group, config.block_m)
-    num_splits = configs.num_kv_splits(num_m_blocks * batch * num_kv_heads, capacity, query.device)
+    config, num_m_blocks, num_splits = _launch_plan(
+        num_new * group, head_dim, batch * num_kv_heads, capacity, query.device
+    )
     if num_splits > 1:
-        partial_out = torch.empty(
-            (batch, num_q_heads, num_new, num_splits, head_dim), dtype=torch.float32, device=query.device
-        )
-        partial_lse = torch.empty((batch, num_q_heads, num_new, num_splits), dtype=torch.float32, device=query.device)
-        target, lse = partial_out, partial_lse
-        stride_o = partial_out.stride()
+        rows = batch * num_q_heads * num_new
+        partial_out = torch.empty((rows, num_splits, head_dim), dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty((rows, num_splits), dtype=torch.float32, device=query.device)
     else:
-        target, lse = out, out  # lse_ptr is unused without USE_SPLIT_KV
-        stride_o = (*out.stride()[:3], 0, out.stride(3))
-    stride_lse = partial_lse.stride()[:3] if num_splits > 1 else (0, 0, 0)
+        partial_out = partial_lse = out  # unused without USE_SPLIT_KV
+    row_tickets = _zeroed_row_tickets(query.device, batch) if num_splits == 1 else seq_lens  # unused when split
 
     _attention_with_kv_cache_kernel[(num_m_blocks, batch * num_kv_heads, num_splits)](
         query, key, value, k_cache, v_cache, seq_lens, query_lens if query_lens is not None else seq_lens,
-        target, lse,
+        out, partial_out, partial_lse, row_tickets,
         *query.stride(), *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        *stride_o, *stride_lse,
         num_kv_heads, num_new, capacity, scale * LOG2_E, sliding_window,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -245,8 +275,4 @@ def attention_with_kv_cache_triton(
     )  # fmt: skip
     if num_splits > 1:
         merge_kv_splits(partial_out, partial_lse, out, seq_lens, query_lens)
-    elif query_lens is not None:
-        seq_lens.add_(query_lens)
-    else:
-        seq_lens.add_(num_new)
     return out

@@ -71,6 +71,6 @@ def _attend_tiles(
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_ptr + kv_offsets, mask_n, mask_d, MASK_LENGTH, HAS_D_MASK)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i

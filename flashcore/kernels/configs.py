@@ -15,8 +15,8 @@ import triton
 # The interpreter has no SMs. Pretending to have a few makes the small shapes of the CPU test suite take the
 # split-KV path as well as the single-pass path.
 INTERPRETER_NUM_SMS = 8
-# A split shorter than this spends more on its partial write and merge than it saves.
-MIN_TOKENS_PER_SPLIT = 256
+# One BLOCK_N tile: a shorter split would only add partial writes to the merge.
+MIN_TOKENS_PER_SPLIT = 64
 MAX_KV_SPLITS = 64
 
 

@@ -1,8 +1,8 @@
 """Flash-decoding merge: combines the per-split partial outputs by their log-sum-exp, and advances seq_lens.
 
-The attention kernel, launched with ``USE_SPLIT_KV``, writes one normalised partial output and one log2-sum-exp
-per (row, split). Because this merge runs after that launch completes (stream order), it is also the one
-place where ``seq_lens`` can be advanced without racing the programs that read it.
+With ``USE_SPLIT_KV`` the attention kernel splits each row's cached prefix over several programs; each writes
+a normalised partial output and its log2-sum-exp. This second launch merges them. Because it runs after the
+attention launch completes (stream order), it is also where ``seq_lens`` advances without racing a reader.
 """
 
 from __future__ import annotations
@@ -14,25 +14,13 @@ import triton.language as tl
 
 @triton.jit
 def _merge_kv_splits_kernel(
-    partial_out_ptr,  # [B, H_q, S_q, splits, D] fp32
-    partial_lse_ptr,  # [B, H_q, S_q, splits] fp32, -inf for an empty split
-    out_ptr,  # [B, H_q, S_q, D]
+    partial_out_ptr,  # [B * H_q * S_q, splits, HEAD_DIM] fp32
+    partial_lse_ptr,  # [B * H_q * S_q, splits] fp32, -inf for a split that saw no key
+    out_ptr,  # [B, H_q, S_q, HEAD_DIM], contiguous
     seq_lens_ptr,  # [B] int32, advanced in place
     query_lens_ptr,  # [B] int32, read only when HAS_QUERY_LENS
-    stride_p_b,
-    stride_p_h,
-    stride_p_s,
-    stride_p_split,
-    stride_p_d,
-    stride_lse_b,
-    stride_lse_h,
-    stride_lse_s,
-    stride_o_b,
-    stride_o_h,
-    stride_o_s,
-    stride_o_d,
-    num_q_heads,
-    num_new,
+    rows_per_batch,  # H_q * S_q
+    num_new,  # S_q
     num_splits,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -41,29 +29,22 @@ def _merge_kv_splits_kernel(
 ):
     pid_row = tl.program_id(0)  # over H_q * S_q
     batch = tl.program_id(1).to(tl.int64)
-    head = (pid_row // num_new).to(tl.int64)
-    token = pid_row % num_new
+    row = batch * rows_per_batch + pid_row
     offs_split = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask_split = offs_split < num_splits
     mask_d = offs_d < HEAD_DIM
 
-    lse_row_ptr = partial_lse_ptr + batch * stride_lse_b + head * stride_lse_h + token * stride_lse_s
-    lse = tl.load(lse_row_ptr + offs_split, mask=mask_split, other=float("-inf"))
+    # All splits of the row are loaded at once: one round trip to memory, not one per split.
+    lse = tl.load(partial_lse_ptr + row * num_splits + offs_split, mask=mask_split, other=float("-inf"))
     lse_max = tl.max(lse, 0)
-    # An all-empty row (padding) has lse_max = -inf: its weights become 0 and its output 0, never NaN.
+    # A row whose splits are all empty (a padding row) has lse_max = -inf: weights 0, output 0, never NaN.
     weights = tl.math.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
     weight_sum = tl.sum(weights, 0)
-    partial_row_ptr = partial_out_ptr + batch * stride_p_b + head * stride_p_h + token * stride_p_s
-    mask_partial = mask_split[:, None] & mask_d[None, :] & (weights > 0.0)[:, None]
-    partial = tl.load(
-        partial_row_ptr + offs_split[:, None] * stride_p_split + offs_d[None, :] * stride_p_d,
-        mask=mask_partial,
-        other=0.0,
-    )
+    partial_ptrs = partial_out_ptr + (row * num_splits + offs_split)[:, None] * HEAD_DIM + offs_d[None, :]
+    partial = tl.load(partial_ptrs, mask=mask_split[:, None] & mask_d[None, :], other=0.0)
     merged = tl.sum(partial * weights[:, None], 0) / tl.where(weight_sum > 0.0, weight_sum, 1.0)
-    out_row_ptr = out_ptr + batch * stride_o_b + head * stride_o_h + token * stride_o_s
-    tl.store(out_row_ptr + offs_d * stride_o_d, merged.to(out_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(out_ptr + row * HEAD_DIM + offs_d, merged.to(out_ptr.dtype.element_ty), mask=mask_d)
 
     if pid_row == 0:
         if HAS_QUERY_LENS:
@@ -80,11 +61,12 @@ def merge_kv_splits(
     seq_lens: torch.Tensor,
     query_lens: torch.Tensor | None,
 ) -> None:
-    batch, num_q_heads, num_new, num_splits, head_dim = partial_out.shape
+    """Writes ``out`` from the partials of :func:`attention_with_kv_cache_triton` and advances ``seq_lens``."""
+    batch, num_q_heads, num_new, head_dim = out.shape
+    num_splits = partial_out.shape[1]
     _merge_kv_splits_kernel[(num_q_heads * num_new, batch)](
         partial_out, partial_lse, out, seq_lens, query_lens if query_lens is not None else seq_lens,
-        *partial_out.stride(), *partial_lse.stride()[:3], *out.stride(),
-        num_q_heads, num_new, num_splits,
+        num_q_heads * num_new, num_new, num_splits,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         SPLITS_PAD=triton.next_power_of_2(num_splits),
