@@ -199,30 +199,35 @@ def _attention_with_kv_cache_kernel(
 @functools.cache
 def _launch_plan(packed_rows: int, head_dim: int, batch_kv_heads: int, capacity: int, device: torch.device):
     """Config, M blocks and KV splits depend on shapes only, so they are computed once per shape."""
-    config = configs.attention_config(packed_rows, head_dim)
+    config = configs.attention_config(packed_rows, head_dim, batch_kv_heads, device)
     num_m_blocks = triton.cdiv(packed_rows, config.block_m)
     num_splits = configs.num_kv_splits(num_m_blocks * batch_kv_heads, capacity, device)
     return config, num_m_blocks, num_splits
 
 
-_row_tickets_by_device: dict[torch.device, torch.Tensor] = {}
+_scratch_by_key: dict[tuple[str, torch.device], torch.Tensor] = {}
+_retired_scratch: list[torch.Tensor] = []
 
 
-def _zeroed_row_tickets(device: torch.device, size: int) -> torch.Tensor:
-    """Per-row ticket counters for the unsplit path: allocated zeroed once per device, left zeroed by every launch.
+def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A persistent per-device buffer of at least ``numel`` elements, reused across calls.
 
-    Launches on one device therefore share them, which is safe because a stream runs its launches in order;
-    two streams running flashcore at the same time on one device are not supported. A buffer first needed
-    while a CUDA graph is being captured belongs to that graph (its zeroing is a node of the graph) and is
-    not kept for eager calls, whose memory it would otherwise leave unzeroed.
+    Reuse saves an allocation per call; launches on one stream run in order, so calls never share it at
+    the same time (two streams running flashcore at once on one device are not supported). Buffers are
+    never freed, because a captured CUDA graph may still hold their address. A buffer first needed while a
+    graph is being captured is allocated for that graph only (its zeroing becomes a node of the graph).
+    ``"row_tickets"`` is allocated zeroed, and every launch leaves it zeroed.
     """
-    tickets = _row_tickets_by_device.get(device)
-    if tickets is not None and tickets.numel() >= size:
-        return tickets
-    tickets = torch.zeros(size, dtype=torch.int32, device=device)
+    buffer = _scratch_by_key.get((name, device))
+    if buffer is not None and buffer.numel() >= numel:
+        return buffer
+    buffer = torch.zeros(max(numel, 1024), dtype=dtype, device=device)
     if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        _row_tickets_by_device[device] = tickets
-    return tickets
+        old = _scratch_by_key.get((name, device))
+        if old is not None:
+            _retired_scratch.append(old)
+        _scratch_by_key[(name, device)] = buffer
+    return buffer
 
 
 def attention_with_kv_cache_triton(
@@ -249,11 +254,13 @@ def attention_with_kv_cache_triton(
     )
     if num_splits > 1:
         rows = batch * num_q_heads * num_new
-        partial_out = torch.empty((rows, num_splits, head_dim), dtype=torch.float32, device=query.device)
-        partial_lse = torch.empty((rows, num_splits), dtype=torch.float32, device=query.device)
+        partials = _scratch("partials", rows * num_splits * (head_dim + 1), torch.float32, query.device)
+        partial_out = partials[: rows * num_splits * head_dim].view(rows, num_splits, head_dim)
+        partial_lse = partials[rows * num_splits * head_dim : rows * num_splits * (head_dim + 1)].view(rows, num_splits)
+        row_tickets = seq_lens  # unused: the merge launch advances seq_lens
     else:
         partial_out = partial_lse = out  # unused without USE_SPLIT_KV
-    row_tickets = _zeroed_row_tickets(query.device, batch) if num_splits == 1 else seq_lens  # unused when split
+        row_tickets = _scratch("row_tickets", batch, torch.int32, query.device)
 
     _attention_with_kv_cache_kernel[(num_m_blocks, batch * num_kv_heads, num_splits)](
         query, key, value, k_cache, v_cache, seq_lens, query_lens if query_lens is not None else seq_lens,

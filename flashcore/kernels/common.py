@@ -53,7 +53,7 @@ def _attend_tiles(
         mask_n = cols < num_keys
         kv_offsets = cols[:, None] * stride_n + offs_d[None, :] * stride_d
         k = _load_tile(k_ptr + kv_offsets, mask_n, mask_d, MASK_LENGTH, HAS_D_MASK)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASK_LENGTH or MASK_CAUSAL or MASK_WINDOW:
             key_pos = key_pos0 + cols
             is_visible = tl.full(scores.shape, 1, tl.int1)
@@ -64,10 +64,11 @@ def _attend_tiles(
             if MASK_WINDOW:
                 is_visible = is_visible & (key_pos[None, :] > query_pos[:, None] - window)
             scores = tl.where(is_visible, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        # The scale is applied inside exp2's argument so that it fuses with the max subtraction (one FMA).
+        m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
         # A row with nothing visible yet keeps m = -inf; shifting by 0 instead keeps exp2 finite (0, not NaN).
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(scores - m_shift[:, None])
+        p = tl.math.exp2(scores * qk_scale - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_ptr + kv_offsets, mask_n, mask_d, MASK_LENGTH, HAS_D_MASK)
