@@ -45,8 +45,8 @@ def attention_with_kv_cache(
     - Row b holds ``L_b`` tokens at cache positions ``[0, L_b)``.
     - The call writes ``key[b, :, :n_b]`` and ``value[b, :, :n_b]`` at positions ``[L_b, L_b + n_b)``.
     - New token i sits at position ``L_b + i``. It attends to every position ``<= L_b + i`` when causal,
-      or to all of ``[0, L_b + n_b)`` when not. ``sliding_window=W`` further restricts the token at position
-      ``p`` to positions in ``(p - W, p]``.
+      or to all of ``[0, L_b + n_b)`` when not. ``sliding_window=W`` also hides positions ``<= p - W`` from
+      the token at position ``p``: with ``is_causal`` it sees ``(p - W, p]``; without, ``(p - W, L_b + n_b)``.
     - Output rows ``i >= n_b`` are zero, and nothing is written for them.
     - Then ``seq_lens[b] += n_b``, in place.
     - Cache memory at positions ``>= seq_lens[b]`` is garbage. It may hold NaN, and it never changes an
@@ -70,13 +70,13 @@ def attention_with_kv_cache(
         value: ``[B, H_kv, S_q, D]``, the new tokens' values. Any strides.
         past_key_value: ``(k_cache [B, H_kv, S_max, D], v_cache [B, H_kv, S_max, D], seq_lens [B])``, with
             K and V of the query's dtype and ``seq_lens`` ``torch.int32`` (never converted: a converted copy
-            would lose the in-place update). Any strides. None allocates a fresh cache of ``cache_max_len``
-            tokens (see :func:`flashcore.allocate_kv_cache`).
+            would lose the in-place update). K and V may have any strides; ``seq_lens`` must be contiguous.
+            None allocates a fresh cache of ``cache_max_len`` tokens (see :func:`flashcore.allocate_kv_cache`).
         is_causal: bottom-right causal masking (see above). False lets every new token see all
             ``L_b + n_b`` tokens.
         scale: softmax scale; None means ``1 / sqrt(D)``.
-        query_lens: ``int32 [B]``, optional. Row b has ``query_lens[b] <= S_q`` valid new tokens, the first
-            ones; the rest are padding. None means ``S_q`` for every row.
+        query_lens: ``int32 [B]``, contiguous, optional. Row b has ``query_lens[b] <= S_q`` valid new
+            tokens, the first ones; the rest are padding. None means ``S_q`` for every row.
         sliding_window: W >= 1, or None for no window.
         cache_max_len: only with ``past_key_value=None``: the capacity ``S_max`` of the new cache.
         backend: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), ``"torch"``
@@ -279,6 +279,13 @@ def _validate_lengths_tensor(name: str, tensor, batch: int, device: torch.device
         raise TypeError(f"{name} must be torch.int32, got {tensor.dtype}; {fix}")
     if tensor.shape != (batch,):
         raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(tensor.shape)}")
+    if batch > 1 and tensor.stride(0) != 1:
+        fix = (
+            "allocate it with flashcore.allocate_kv_cache (a contiguous copy would not receive the in-place update)"
+            if name == "seq_lens"
+            else f"pass {name}.contiguous()"
+        )
+        raise ValueError(f"{name} must be contiguous (stride 1), got stride {tensor.stride(0)}; {fix}")
     if tensor.device != device:
         raise ValueError(f"{name} is on {tensor.device} but query is on {device}; move it with .to()")
 

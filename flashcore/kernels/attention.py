@@ -85,9 +85,9 @@ def _attention_with_kv_cache_kernel(
     kv_head = (pid_bh % num_kv_heads).to(tl.int64)
 
     # -- row metadata --
-    # check=False may let seq_lens exceed the capacity; reads and writes stay inside the cache regardless.
+    # With check=False seq_lens may be negative or past capacity; reads and writes stay inside the cache.
     seq_len_before = tl.load(seq_lens_ptr + batch)
-    seq_len = tl.minimum(seq_len_before, capacity)
+    seq_len = tl.minimum(tl.maximum(seq_len_before, 0), capacity)
     if HAS_QUERY_LENS:
         row_new = tl.load(query_lens_ptr + batch)
     else:
@@ -141,12 +141,12 @@ def _attention_with_kv_cache_kernel(
     cache_hi = tl.where(is_block_live, cache_hi, cache_lo)
     cache_full_hi = tl.maximum(cache_lo, cache_lo + ((cache_hi - cache_lo) // BLOCK_N) * BLOCK_N)
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_cache_row_ptr, v_cache_row_ptr, stride_kc_s, stride_kc_d,
+        acc, m_i, l_i, q, k_cache_row_ptr, v_cache_row_ptr, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
         cache_lo, cache_full_hi, seq_len, 0, query_pos, qk_scale, window, offs_d, mask_d,
         BLOCK_N, HAS_D_MASK, False, False, USE_WINDOW, DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_cache_row_ptr, v_cache_row_ptr, stride_kc_s, stride_kc_d,
+        acc, m_i, l_i, q, k_cache_row_ptr, v_cache_row_ptr, stride_kc_s, stride_kc_d, stride_vc_s, stride_vc_d,
         cache_full_hi, cache_hi, cache_hi, 0, query_pos, qk_scale, window, offs_d, mask_d,
         BLOCK_N, HAS_D_MASK, True, False, USE_WINDOW, DOT_PRECISION,
     )  # fmt: skip
@@ -163,12 +163,12 @@ def _attention_with_kv_cache_kernel(
     if USE_WINDOW:
         new_lo = tl.minimum(tl.maximum(0, ((first_token - window + 1) // BLOCK_N) * BLOCK_N), band_lo)
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_new_ptr, v_new_ptr, stride_k_s, stride_k_d,
+        acc, m_i, l_i, q, k_new_ptr, v_new_ptr, stride_k_s, stride_k_d, stride_v_s, stride_v_d,
         new_lo, band_lo, row_new, seq_len, query_pos, qk_scale, window, offs_d, mask_d,
         BLOCK_N, HAS_D_MASK, False, False, USE_WINDOW, DOT_PRECISION,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_new_ptr, v_new_ptr, stride_k_s, stride_k_d,
+        acc, m_i, l_i, q, k_new_ptr, v_new_ptr, stride_k_s, stride_k_d, stride_v_s, stride_v_d,
         band_lo, new_hi, new_hi, seq_len, query_pos, qk_scale, window, offs_d, mask_d,
         BLOCK_N, HAS_D_MASK, True, IS_CAUSAL, USE_WINDOW, DOT_PRECISION,
     )  # fmt: skip

@@ -27,8 +27,10 @@ def _attend_tiles(
     q,  # [BLOCK_M, HEAD_DIM_PAD]
     k_ptr,  # key rows of one (batch, kv head) source: the cache, or the new tokens
     v_ptr,
-    stride_n,
-    stride_d,
+    stride_k_n,
+    stride_k_d,
+    stride_v_n,
+    stride_v_d,
     start,  # first key index visited (local to the source)
     end,  # one past the last key index visited
     num_keys,  # keys at index >= num_keys are not valid (only read when MASK_LENGTH)
@@ -51,8 +53,8 @@ def _attend_tiles(
     for start_n in range(start, end, BLOCK_N):
         cols = start_n + offs_n
         mask_n = cols < num_keys
-        kv_offsets = cols[:, None] * stride_n + offs_d[None, :] * stride_d
-        k = _load_tile(k_ptr + kv_offsets, mask_n, mask_d, MASK_LENGTH, HAS_D_MASK)
+        k_offsets = cols[:, None] * stride_k_n + offs_d[None, :] * stride_k_d
+        k = _load_tile(k_ptr + k_offsets, mask_n, mask_d, MASK_LENGTH, HAS_D_MASK)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASK_LENGTH or MASK_CAUSAL or MASK_WINDOW:
             key_pos = key_pos0 + cols
@@ -71,7 +73,8 @@ def _attend_tiles(
         p = tl.math.exp2(scores * qk_scale - m_shift[:, None])
         alpha = tl.math.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_ptr + kv_offsets, mask_n, mask_d, MASK_LENGTH, HAS_D_MASK)
+        v_offsets = cols[:, None] * stride_v_n + offs_d[None, :] * stride_v_d
+        v = _load_tile(v_ptr + v_offsets, mask_n, mask_d, MASK_LENGTH, HAS_D_MASK)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
