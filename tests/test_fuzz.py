@@ -58,7 +58,9 @@ def cases(draw) -> Case:
 
 
 # The torch backend is cheap; the triton interpreter pays per launch, so it gets a small budget on the CPU.
-EXAMPLES = {"torch": 300, "triton": 300 if ON_GPU else 100}
+# On the GPU nearly every example compiles a new kernel specialization (~3 s each), so the GPU run draws
+# fewer; on the CPU the interpreter compiles nothing but runs each launch slowly.
+EXAMPLES = {"torch": 300, "triton": 60 if ON_GPU else 100}
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
