@@ -38,7 +38,8 @@ TOLERANCES = {
 
 @pytest.fixture
 def device() -> torch.device:
-    return torch.device(TEST_DEVICE)
+    # Indexed ("cuda:0"), as tensor.device always is, so that device equality checks compare like with like.
+    return torch.device("cuda", torch.cuda.current_device()) if ON_GPU else torch.device("cpu")
 
 
 @pytest.fixture
