@@ -1,0 +1,544 @@
+"""Is flashcore's append-and-attend faster than torch SDPA? Decode, prefill, chunked prefill and mixed batches.
+
+Issue 5's attention targets, measured side by side with the reference in one run (bf16, CUDA):
+
+- decode (S_q = 1, the append included on both sides): H_q 32 / H_kv 8 / D 128, B in {1, 8, 32, 64} x
+  L in {1k, 4k, 32k}, plus SmolLM2-like (9/3 heads, D 64) and MHA (32/32, D 128) points. The reference is what
+  a user without flashcore writes: copy the new K/V into the cache slot L, then SDPA (``enable_gqa=True``) over
+  ``K[:, :, :L + 1]``. Timed eagerly and under CUDA-graph replay, plus the host time per eager call;
+- prefill: causal, B 1, 32/8 heads, D 128, S in {2k, 8k, 16k}, empty cache, against SDPA ``is_causal=True``;
+- chunked prefill (512 new tokens on an 8k cache) and a mixed batch (2 rows prefilling 512 tokens next to 6
+  rows decoding at L = 4k, via ``query_lens``), against SDPA run per row.
+
+Every row first checks flashcore's output once against SDPA's, and the append itself (slots, ``seq_lens``,
+NaN-poisoned slots untouched), then times both sides (see ``harness.py`` for how, and why not do_bench
+directly). Ratios are ``sdpa_us / flashcore_us``: above 1 means flashcore is faster.
+
+    python benchmarks/bench_attention.py --out DIR            # the full run, ~3-5 min on an H100
+    python benchmarks/bench_attention.py --quick --out DIR    # a subset
+    python benchmarks/bench_attention.py --dry-run --out /tmp/x   # tiny shapes on the CPU: tests the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import harness
+import torch
+import torch.nn.functional as F
+
+import flashcore
+
+ELEM_BYTES = 2  # bf16
+# Output check against SDPA (both bf16): the brief's 2e-2 absolute bound, plus 1e-2 relative so that a one-ulp
+# rounding difference on an output of magnitude > 2 (bf16 ulp there is 2^-6 = 0.016) cannot fail a correct row.
+CHECK_ATOL, CHECK_RTOL = 2e-2, 1e-2
+HOST_MAX_CALLS = 128  # calls per host-time sample (x <= 4 launches each for SDPA's side)
+
+GQA_DECODE = [(b, n) for b in (1, 8, 32, 64) for n in (1024, 4096, 32768)]
+SMOL_DECODE = [(1, 1024), (1, 4096), (8, 4096), (64, 4096)]
+MHA_DECODE = [(1, 1024), (1, 4096), (1, 32768), (8, 4096), (32, 4096)]
+PREFILL_LENS = [2048, 8192, 16384]
+QUICK_GQA_DECODE = [(1, 1024), (1, 4096), (1, 32768), (8, 4096), (8, 32768), (64, 1024)]
+# --dry-run maps each length onto a tiny one, so the CPU walks the same rows in seconds.
+DRY_RUN_LEN = {1024: 64, 4096: 128, 32768: 256, 2048: 64, 8192: 128, 16384: 192, 512: 16}
+
+
+@dataclass
+class CallSet:
+    """One call's inputs: new tokens, the cache they append to, and per-row lengths."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    seq_lens: torch.Tensor
+    query_lens: torch.Tensor | None = None
+
+
+@dataclass
+class Context:
+    args: argparse.Namespace
+    device: torch.device
+    timer: harness.CudaTimer | harness.CpuTimer
+    ceilings: dict
+    deadline: float
+
+    def length(self, n: int) -> int:
+        return DRY_RUN_LEN.get(n, min(n, 64)) if self.args.dry_run else n
+
+
+def decode_bytes(batch: int, num_q_heads: int, num_kv_heads: int, cache_len: int, head_dim: int) -> int:
+    """Fewest bytes one decode call must move: read the cached K and V (2 * B * H_kv * L * D elements), read
+    the new k, v and write them into the cache (2 * 2 * B * H_kv * D), read q and write out (2 * B * H_q * D)."""
+    elements = 2 * batch * num_kv_heads * cache_len * head_dim
+    elements += 4 * batch * num_kv_heads * head_dim + 2 * batch * num_q_heads * head_dim
+    return ELEM_BYTES * elements
+
+
+def attention_flops(num_q_heads: int, head_dim: int, lens_before: list[int], new_lens: list[int]) -> int:
+    """4 * H_q * D FLOPs (QK^T and PV, a multiply-add each) per (query, visible key) pair, summed over rows;
+    new token i of a row with L cached tokens sees L + i + 1 keys (bottom-right causal)."""
+    pairs = sum(n * length + n * (n + 1) // 2 for length, n in zip(lens_before, new_lens, strict=True))
+    return 4 * num_q_heads * head_dim * pairs
+
+
+def prefill_flops(batch: int, num_q_heads: int, seq_len: int, head_dim: int) -> int:
+    """The usual causal prefill count, 4 * B * H_q * S * S * D / 2 (the mask halves the square)."""
+    return 4 * batch * num_q_heads * seq_len * seq_len * head_dim // 2
+
+
+def new_generator(ctx: Context, label: str) -> torch.Generator:
+    return torch.Generator(device=ctx.device).manual_seed(zlib.crc32(label.encode()))
+
+
+def randn(ctx: Context, shape: tuple, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=generator, dtype=torch.bfloat16, device=ctx.device)
+
+
+def new_cache(ctx: Context, shape: tuple, lens_before: list[int], generator: torch.Generator) -> torch.Tensor:
+    """N(0, 1) in each row's first ``lens_before[b]`` slots, NaN past them: garbage must never reach an output."""
+    cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=ctx.device)
+    for b, length in enumerate(lens_before):
+        cache[b, :, :length].normal_(generator=generator)
+    return cache
+
+
+def make_sets(ctx, label, n_sets, shape_q, shape_kv, s_max, lens_before, new_lens) -> tuple[list, Callable]:
+    """``n_sets`` independent call sets whose ``seq_lens`` are rows of one tensor, so one copy resets them all."""
+    generator = new_generator(ctx, label)
+    batch, num_kv_heads, _, head_dim = shape_kv
+    seq_lens_all = torch.tensor([lens_before] * n_sets, dtype=torch.int32, device=ctx.device)
+    initial = seq_lens_all.clone()
+    is_padded = any(n != shape_q[2] for n in new_lens)
+    query_lens = torch.tensor(new_lens, dtype=torch.int32, device=ctx.device) if is_padded else None
+    sets = []
+    for i in range(n_sets):
+        cache_shape = (batch, num_kv_heads, s_max, head_dim)
+        sets.append(
+            CallSet(
+                q=randn(ctx, shape_q, generator),
+                k=randn(ctx, shape_kv, generator),
+                v=randn(ctx, shape_kv, generator),
+                k_cache=new_cache(ctx, cache_shape, lens_before, generator),
+                v_cache=new_cache(ctx, cache_shape, lens_before, generator),
+                seq_lens=seq_lens_all[i],
+                query_lens=query_lens,
+            )
+        )
+    return sets, lambda: seq_lens_all.copy_(initial)
+
+
+def flashcore_call(ctx: Context, s: CallSet) -> torch.Tensor:
+    out, _ = flashcore.attention_with_kv_cache(
+        s.q, s.k, s.v, (s.k_cache, s.v_cache, s.seq_lens),
+        is_causal=True, query_lens=s.query_lens, backend=ctx.args.backend, check=False,
+    )  # fmt: skip
+    return out
+
+
+def sdpa_per_row(s: CallSet, lens_before: list[int], new_lens: list[int], masks: dict) -> torch.Tensor:
+    """The reference a user writes without flashcore: per row, copy the new K/V into the cache, then SDPA.
+
+    A decode row (one new token) needs no mask; a row with an empty cache is plain causal; a chunk on top of a
+    cache needs the bottom-right mask (SDPA's is_causal is top-left aligned), built once, outside the timing.
+    """
+    if len(set(lens_before)) == 1 and len(set(new_lens)) == 1 and s.query_lens is None:
+        return _sdpa_rows(s, slice(None), lens_before[0], new_lens[0], masks)  # one batched call
+    out = torch.zeros_like(s.q)
+    for b, (length, n) in enumerate(zip(lens_before, new_lens, strict=True)):
+        if n:
+            out[b : b + 1, :, :n] = _sdpa_rows(s, slice(b, b + 1), length, n, masks)
+    return out
+
+
+def _sdpa_rows(s: CallSet, rows: slice, length: int, n: int, masks: dict) -> torch.Tensor:
+    s.k_cache[rows, :, length : length + n].copy_(s.k[rows, :, :n])
+    s.v_cache[rows, :, length : length + n].copy_(s.v[rows, :, :n])
+    keys, values = s.k_cache[rows, :, : length + n], s.v_cache[rows, :, : length + n]
+    q = s.q[rows, :, :n]
+    if n == 1:
+        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+    if length == 0:
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=masks[(length, n)], enable_gqa=True)
+
+
+def bottom_right_masks(device, lens_before: list[int], new_lens: list[int]) -> dict:
+    """(L, n) -> bool [n, L + n]: new token i sees positions <= L + i."""
+    return {
+        (length, n): torch.ones(n, length + n, dtype=torch.bool, device=device).tril(diagonal=length)
+        for length, n in zip(lens_before, new_lens, strict=True)
+        if length > 0 and n > 1
+    }
+
+
+def append_is_correct(s: CallSet, lens_before: list[int], new_lens: list[int]) -> bool:
+    """After one flashcore call: new K/V bitwise in [L, L + n), the next slot still NaN, seq_lens += n."""
+    expected = torch.tensor([a + n for a, n in zip(lens_before, new_lens, strict=True)], dtype=torch.int32)
+    is_ok = torch.equal(s.seq_lens.cpu(), expected)
+    s_max = s.k_cache.shape[2]
+    for b, (length, n) in enumerate(zip(lens_before, new_lens, strict=True)):
+        for cache, new in ((s.k_cache, s.k), (s.v_cache, s.v)):
+            is_ok &= torch.equal(cache[b, :, length : length + n], new[b, :, :n])
+            if length + n < s_max:
+                is_ok &= bool(torch.isnan(cache[b, :, length + n]).all())
+    return bool(is_ok)
+
+
+def measure(
+    row: dict, ctx: Context, sets: list, reset, lens_before, new_lens, *, use_graph: bool, use_host: bool = True
+) -> None:
+    """Check once, then time flashcore and the SDPA reference: eager, graph replay, host time per call."""
+    masks = bottom_right_masks(ctx.device, lens_before, new_lens)
+
+    def run_flashcore(s):
+        return flashcore_call(ctx, s)
+
+    def run_sdpa(s):
+        return sdpa_per_row(s, lens_before, new_lens, masks)
+
+    reset()
+    out = run_flashcore(sets[0]).clone()  # also the first call: Triton compiles here, not in the timing
+    row["append_ok"] = append_is_correct(sets[0], lens_before, new_lens)
+    ref = run_sdpa(sets[0])
+    check = harness.compare(out, ref, atol=CHECK_ATOL, rtol=CHECK_RTOL)
+    row["check_passed"] = check.pop("passed") and row["append_ok"]
+    row.update(check)
+    harness.log(f"  check {'PASS' if row['check_passed'] else 'FAIL'}: max_abs_err {check['max_abs_err']:.2e}")
+
+    row["fc_eager_us"] = ctx.timer.eager_us(lambda: run_flashcore(sets[0]), reset)
+    row["sdpa_eager_us"] = ctx.timer.eager_us(lambda: run_sdpa(sets[0]), reset)
+    if use_graph and not ctx.args.no_graphs:
+        row["fc_graph_us"], outputs, graph = ctx.timer.graph_us([lambda s=s: run_flashcore(s) for s in sets], reset)
+        if outputs is not None:
+            replay_check = harness.compare(outputs[0], ref, atol=CHECK_ATOL, rtol=CHECK_RTOL)
+            row["graph_check_passed"] = replay_check["passed"]
+        del outputs, graph
+        row["sdpa_graph_us"], _, _ = ctx.timer.graph_us([lambda s=s: run_sdpa(s) for s in sets], reset)
+    if use_host and not ctx.args.no_host_timing:
+        # Calls go round-robin over the sets; each set takes at most as many appends as its free slots allow
+        # (never past capacity), and HOST_MAX_CALLS keeps the launches queued behind the sleep kernel well
+        # under the GPU's launch queue depth (~1k), so the host never blocks on a full queue.
+        room = sets[0].k_cache.shape[2] - max(a + n for a, n in zip(lens_before, new_lens, strict=True))
+        per_set = min(ctx.args.host_calls_per_set, 1 + room // max(new_lens))
+        n_calls = min(HOST_MAX_CALLS, per_set * len(sets))
+        row["host_calls_per_sample"] = n_calls
+        row["fc_host_us"] = ctx.timer.host_us([lambda s=s: run_flashcore(s) for s in sets], reset, n_calls)
+        row["sdpa_host_us"] = ctx.timer.host_us([lambda s=s: run_sdpa(s) for s in sets], reset, n_calls)
+    for mode in ("eager", "graph"):
+        fc_us, sdpa_us = row.get(f"fc_{mode}_us"), row.get(f"sdpa_{mode}_us")
+        if fc_us and sdpa_us:
+            row[f"ratio_{mode}"] = sdpa_us / fc_us
+
+
+def add_rates(row: dict, ctx: Context, *, nbytes: int | None = None, flops: int | None = None) -> None:
+    """Achieved TB/s (nbytes over time) or TFLOP/s (flops over time) for every timing present on the row."""
+    for side in ("fc", "sdpa"):
+        for mode in ("eager", "graph"):
+            us = row.get(f"{side}_{mode}_us")
+            if not us:
+                continue
+            if nbytes is not None:
+                row[f"{side}_{mode}_tb_per_s"] = nbytes / (us * 1e-6) / 1e12
+            if flops is not None:
+                row[f"{side}_{mode}_tflops"] = flops / (us * 1e-6) / 1e12
+    best = "graph" if row.get("fc_graph_us") else "eager"
+    copy_tb_per_s = ctx.ceilings.get("copy_tb_per_s")
+    row["best_mode"] = best
+    if nbytes is not None and row.get(f"fc_{best}_tb_per_s"):
+        row["fc_tb_per_s"] = row[f"fc_{best}_tb_per_s"]
+        row["fc_pct_of_3tb"] = 100 * row[f"fc_{best}_tb_per_s"] / harness.NOMINAL_TB_PER_S
+        if copy_tb_per_s:
+            row["fc_pct_of_copy"] = 100 * row[f"fc_{best}_tb_per_s"] / copy_tb_per_s
+    if flops is not None and row.get(f"fc_{best}_tflops"):
+        row["fc_tflops"] = row[f"fc_{best}_tflops"]
+        row["fc_pct_of_790"] = 100 * row[f"fc_{best}_tflops"] / harness.NOMINAL_TFLOPS
+
+
+def fits(row: dict, ctx: Context, alloc_bytes: int) -> bool:
+    row["alloc_gb"] = round(alloc_bytes / 1e9, 3)
+    limit = ctx.args.mem_limit_gb * 1e9
+    if ctx.device.type == "cuda":
+        limit = min(limit, 0.9 * torch.cuda.mem_get_info(ctx.device)[0])
+    if alloc_bytes > limit:
+        row.update(status="skipped", reason=f"needs {alloc_bytes / 1e9:.1f} GB > {limit / 1e9:.1f} GB allowed")
+        return False
+    return True
+
+
+def decode_row(ctx: Context, row: dict) -> None:
+    batch, num_q_heads, num_kv_heads, head_dim = row["B"], row["H_q"], row["H_kv"], row["D"]
+    cache_len = row["L"]
+    s_max = cache_len + ctx.args.headroom
+    kv_read_bytes = 2 * batch * num_kv_heads * cache_len * head_dim * ELEM_BYTES
+    n_sets = harness.rotation_sets(kv_read_bytes, ctx.args.max_rotation_sets)
+    row.update(S_max=s_max, rotation_sets=n_sets, kv_read_mb=kv_read_bytes / 1e6)
+    if not fits(row, ctx, n_sets * 2 * batch * num_kv_heads * s_max * head_dim * ELEM_BYTES):
+        return
+    row["fc_kv_splits"] = planned_kv_splits(ctx, num_q_heads // num_kv_heads, batch, num_kv_heads, s_max, head_dim)
+    lens_before, new_lens = [cache_len] * batch, [1] * batch
+    sets, reset = make_sets(
+        ctx, row["name"], n_sets, (batch, num_q_heads, 1, head_dim), (batch, num_kv_heads, 1, head_dim),
+        s_max, lens_before, new_lens,
+    )  # fmt: skip
+    measure(row, ctx, sets, reset, lens_before, new_lens, use_graph=True)
+    if ctx.device.type == "cuda" and not ctx.args.no_dobench:
+        # SDPA alone over the slice, timed by triton's own do_bench / do_bench_cudagraph: how issue 5's
+        # baseline table was measured, and a check on harness.py's numbers for the same kernel.
+        import triton.testing
+
+        s = sets[0]
+        keys, values = s.k_cache[:, :, : cache_len + 1], s.v_cache[:, :, : cache_len + 1]
+
+        def sdpa_only():
+            return F.scaled_dot_product_attention(s.q, keys, values, enable_gqa=True)
+
+        row["sdpa_only_dobench_us"] = 1e3 * triton.testing.do_bench(sdpa_only, warmup=10, rep=50, return_mode="median")
+        row["sdpa_only_dobench_graph_us"] = 1e3 * triton.testing.do_bench_cudagraph(
+            sdpa_only, rep=20, return_mode="median"
+        )
+    add_rates(row, ctx, nbytes=decode_bytes(batch, num_q_heads, num_kv_heads, cache_len, head_dim))
+
+
+def planned_kv_splits(ctx: Context, group: int, batch: int, num_kv_heads: int, s_max: int, head_dim: int):
+    """The split count flashcore's launcher picks for a decode call (context for the table; None if the
+    kernel's config API has moved)."""
+    try:
+        from flashcore.kernels.attention import _launch_plan
+
+        return _launch_plan(group, head_dim, batch * num_kv_heads, s_max, ctx.device)[2]
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def prefill_row(ctx: Context, row: dict) -> None:
+    batch, num_q_heads, num_kv_heads, head_dim, seq_len = row["B"], row["H_q"], row["H_kv"], row["D"], row["S_q"]
+    row["S_max"] = seq_len
+    if not fits(row, ctx, 4 * batch * num_q_heads * seq_len * head_dim * ELEM_BYTES):
+        return
+    lens_before, new_lens = [0] * batch, [seq_len] * batch
+    sets, reset = make_sets(
+        ctx, row["name"], 1, (batch, num_q_heads, seq_len, head_dim), (batch, num_kv_heads, seq_len, head_dim),
+        seq_len, lens_before, new_lens,
+    )  # fmt: skip
+    measure(row, ctx, sets, reset, lens_before, new_lens, use_graph=False, use_host=False)
+    add_rates(row, ctx, flops=prefill_flops(batch, num_q_heads, seq_len, head_dim))
+
+
+def chunked_row(ctx: Context, row: dict) -> None:
+    """One launch over rows with different (cached, new) lengths; SDPA runs row by row."""
+    lens_before, new_lens = row.pop("lens_before"), row.pop("new_lens")
+    batch, num_q_heads, num_kv_heads, head_dim = len(lens_before), row["H_q"], row["H_kv"], row["D"]
+    num_new = max(new_lens)
+    s_max = max(a + n for a, n in zip(lens_before, new_lens, strict=True))
+    kv_read_bytes = 2 * num_kv_heads * head_dim * ELEM_BYTES * sum(lens_before)
+    n_sets = harness.rotation_sets(kv_read_bytes + 1, ctx.args.max_rotation_sets)
+    row.update(B=batch, S_q=num_new, S_max=s_max, rotation_sets=n_sets, kv_read_mb=kv_read_bytes / 1e6)
+    row.update(seq_lens=_run_length(lens_before), query_lens=_run_length(new_lens))
+    if not fits(row, ctx, n_sets * 2 * batch * num_kv_heads * s_max * head_dim * ELEM_BYTES):
+        return
+    sets, reset = make_sets(
+        ctx, row["name"], n_sets, (batch, num_q_heads, num_new, head_dim),
+        (batch, num_kv_heads, num_new, head_dim), s_max, lens_before, new_lens,
+    )  # fmt: skip
+    measure(row, ctx, sets, reset, lens_before, new_lens, use_graph=True)
+    add_rates(row, ctx, flops=attention_flops(num_q_heads, head_dim, lens_before, new_lens))
+
+
+def _run_length(values: list[int]) -> str:
+    """[0, 0, 4096, 4096] -> '2x0+2x4096', to keep the table narrow."""
+    runs: list[list[int]] = []
+    for value in values:
+        if runs and runs[-1][1] == value:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, value])
+    return "+".join(f"{count}x{value}" for count, value in runs)
+
+
+def plan_rows(ctx: Context) -> list[tuple[dict, Callable]]:
+    """Every row, in priority order (a time-budget cut drops the last ones first)."""
+    args, n = ctx.args, ctx.length
+    rows: list[tuple[dict, Callable]] = []
+    sections = set(args.sections.split(","))
+
+    def decode(points, label, num_q_heads, num_kv_heads, head_dim):
+        for batch, cache_len in points:
+            batch = min(batch, 2) if args.dry_run else batch
+            name = f"decode {label} B{batch} L{n(cache_len)}"
+            shape = dict(B=batch, L=n(cache_len), S_q=1, H_q=num_q_heads, H_kv=num_kv_heads, D=head_dim)
+            rows.append((dict(section="decode", name=name, model=label, **shape), decode_row))
+
+    if "decode" in sections:
+        decode(QUICK_GQA_DECODE if args.quick else GQA_DECODE, "gqa32/8", 32, 8, 128)
+    if "prefill" in sections:
+        for seq_len in PREFILL_LENS[:2] if args.quick else PREFILL_LENS:
+            name = f"prefill S{n(seq_len)}"
+            row = dict(section="prefill", name=name, model="gqa32/8", B=1, S_q=n(seq_len), H_q=32, H_kv=8, D=128)
+            rows.append((row, prefill_row))
+    if "chunked" in sections:
+        chunk = dict(section="chunked", name=f"chunk {n(512)} on L{n(8192)}", model="gqa32/8", H_q=32, H_kv=8, D=128)
+        rows.append(({**chunk, "lens_before": [n(8192)], "new_lens": [n(512)]}, chunked_row))
+    if "mixed" in sections:
+        mixed = dict(section="mixed", name=f"mixed 2x{n(512)} prefill + 6 decode L{n(4096)}", model="gqa32/8")
+        mixed.update(H_q=32, H_kv=8, D=128, lens_before=[0] * 2 + [n(4096)] * 6, new_lens=[n(512)] * 2 + [1] * 6)
+        rows.append((mixed, chunked_row))
+    if "decode" in sections:
+        decode(SMOL_DECODE[1:2] if args.quick else SMOL_DECODE, "smol9/3", 9, 3, 64)
+        decode(MHA_DECODE[1:2] if args.quick else MHA_DECODE, "mha32/32", 32, 32, 128)
+    return rows
+
+
+DECODE_COLUMNS = [
+    ("row", "name", ""),
+    ("ok", "check_passed", ""),
+    ("fc eager us", "fc_eager_us", ".1f"),
+    ("sdpa eager us", "sdpa_eager_us", ".1f"),
+    ("x eager", "ratio_eager", ".2f"),
+    ("fc graph us", "fc_graph_us", ".1f"),
+    ("sdpa graph us", "sdpa_graph_us", ".1f"),
+    ("x graph", "ratio_graph", ".2f"),
+    ("splits", "fc_kv_splits", ""),
+    ("fc TB/s", "fc_tb_per_s", ".2f"),
+    ("% copy", "fc_pct_of_copy", ".0f"),
+    ("fc host us", "fc_host_us", ".1f"),
+    ("sdpa host us", "sdpa_host_us", ".1f"),
+    ("sdpa do_bench us", "sdpa_only_dobench_us", ".1f"),
+    ("sdpa do_bench graph us", "sdpa_only_dobench_graph_us", ".1f"),
+    ("status", "status", ""),
+]
+FLOP_COLUMNS = [
+    ("row", "name", ""),
+    ("ok", "check_passed", ""),
+    ("fc eager us", "fc_eager_us", ".1f"),
+    ("sdpa eager us", "sdpa_eager_us", ".1f"),
+    ("x eager", "ratio_eager", ".2f"),
+    ("fc graph us", "fc_graph_us", ".1f"),
+    ("x graph", "ratio_graph", ".2f"),
+    ("fc TFLOP/s", "fc_eager_tflops", ".0f"),
+    ("sdpa TFLOP/s", "sdpa_eager_tflops", ".0f"),
+    ("% 790", "fc_pct_of_790", ".0f"),
+    ("fc host us", "fc_host_us", ".1f"),
+    ("sdpa host us", "sdpa_host_us", ".1f"),
+    ("status", "status", ""),
+]
+
+
+def print_tables(payload: dict) -> None:
+    rows = payload["rows"]
+    ceilings = payload["ceilings"]
+    harness.log("\n== ceilings (measured in this run) ==")
+    harness.log(", ".join(f"{k} {v:.3g}" for k, v in ceilings.items() if isinstance(v, float)))
+    harness.log("== decode (S_q=1; ratio = sdpa_us / fc_us, > 1: flashcore faster; TB/s from decode_bytes) ==")
+    harness.log(harness.format_table([r for r in rows if r["section"] == "decode"], DECODE_COLUMNS))
+    harness.log("== prefill / chunked / mixed (TFLOP/s from the causal FLOP count) ==")
+    harness.log(harness.format_table([r for r in rows if r["section"] != "decode"], FLOP_COLUMNS))
+    for row in rows:
+        if row.get("status") in ("error", "skipped"):
+            harness.log(f"{row['status']}: {row['name']}: {row.get('error') or row.get('reason')}")
+        elif row.get("check_passed") is False or row.get("graph_check_passed") is False:
+            harness.log(
+                f"CHECK FAILED: {row['name']}: append_ok {row.get('append_ok')}, max_abs_err "
+                f"{row.get('max_abs_err')}, graph replay check {row.get('graph_check_passed')}"
+            )
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="result folder (default: $OUT, else benchmarks/results)")
+    parser.add_argument("--quick", action="store_true", help="a subset of the rows, for a fast look")
+    parser.add_argument("--sections", default="decode,prefill,chunked,mixed", help="comma-separated subset")
+    parser.add_argument("--backend", default="triton", help="flashcore backend to time (default: triton)")
+    parser.add_argument("--headroom", type=int, default=256, help="cache slots past L (S_max = L + headroom)")
+    parser.add_argument("--eager-iters", type=int, default=50, help="timed eager calls per side per row")
+    parser.add_argument("--graph-replays", type=int, default=20, help="timed graph replays per side per row")
+    parser.add_argument("--host-samples", type=int, default=5, help="host-time samples per side per row")
+    parser.add_argument("--host-calls-per-set", type=int, default=16, help="back-to-back calls per set per sample")
+    parser.add_argument(
+        "--max-rotation-sets", type=int, default=harness.MAX_ROTATION_SETS, help="input sets a graph cycles through"
+    )
+    parser.add_argument("--mem-limit-gb", type=float, default=60.0, help="skip rows whose caches need more")
+    parser.add_argument("--time-budget-s", type=float, default=330.0, help="skip the remaining rows after this")
+    parser.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph timing")
+    parser.add_argument("--no-host-timing", action="store_true", help="skip the host-time measurement")
+    parser.add_argument("--no-dobench", action="store_true", help="skip the triton do_bench SDPA cross-check")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
+    args = parser.parse_args(argv)
+    if args.headroom < 1:
+        parser.error("--headroom must be >= 1: the decode call appends one token at L")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    if args.dry_run:
+        device = torch.device("cpu")
+        args.backend = "torch" if args.backend == "triton" else args.backend
+        args.eager_iters, args.host_samples = min(args.eager_iters, 3), min(args.host_samples, 2)
+        args.host_calls_per_set, args.max_rotation_sets = min(args.host_calls_per_set, 2), 2
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_attention.py needs a CUDA GPU (use --dry-run to test the script on the CPU)")
+    else:
+        device = torch.device("cuda")
+    out_dir = harness.resolve_out_dir(args.out)
+    json_path, png_path = out_dir / "bench_attention.json", out_dir / "bench_attention.png"
+    payload = {
+        "benchmark": "bench_attention",
+        "status": "running",
+        "dry_run": args.dry_run,
+        "environment": harness.environment(device),
+        "settings": vars(args),
+        "ceilings": {"nominal_tb_per_s": harness.NOMINAL_TB_PER_S, "nominal_tflops": harness.NOMINAL_TFLOPS},
+        "formulas": {
+            "decode_bytes": decode_bytes.__doc__,
+            "prefill_flops": prefill_flops.__doc__,
+            "chunked_flops": attention_flops.__doc__,
+            "ratio": "sdpa_us / fc_us (> 1: flashcore faster)",
+            "timing": harness.__doc__,
+        },
+        "rows": [],
+    }
+    harness.log(f"bench_attention: {payload['environment'].get('gpu') or device}, results -> {json_path}")
+    if device.type == "cuda":
+        for measure_ceiling in (harness.measure_copy_tb_per_s, harness.measure_matmul_tflops):
+            try:
+                payload["ceilings"].update(measure_ceiling(device))
+            except Exception as error:  # noqa: BLE001  (a ceiling is context, not a reason to stop)
+                payload["ceilings"][measure_ceiling.__name__ + "_error"] = repr(error)
+        harness.log(f"ceilings: {payload['ceilings']}")
+    timer = harness.make_timer(
+        device, eager_iters=args.eager_iters, graph_replays=args.graph_replays, host_samples=args.host_samples
+    )
+    ctx = Context(args, device, timer, payload["ceilings"], started + args.time_budget_s)
+    planned = plan_rows(ctx)
+    for index, (row, body) in enumerate(planned):
+        harness.log(f"[{index + 1}/{len(planned)}] {row['name']}  (t={time.perf_counter() - started:.0f}s)")
+        if time.perf_counter() > ctx.deadline:
+            row.update(status="skipped", reason=f"time budget of {args.time_budget_s:.0f}s spent")
+        else:
+            harness.run_guarded(row, lambda r, body=body: body(ctx, r))
+        payload["rows"].append(row)
+        harness.write_json(json_path, payload)
+    payload["status"] = "complete"
+    payload["wall_s"] = round(time.perf_counter() - started, 1)
+    harness.write_json(json_path, payload)
+    print_tables(payload)
+    try:
+        import plot
+
+        plot.plot_attention(payload, png_path)
+        harness.log(f"wrote {json_path} and {png_path}")
+    except Exception as error:  # noqa: BLE001  (the JSON is the result; the picture can be redrawn by plot.py)
+        harness.log(f"wrote {json_path}; plot failed: {error!r}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

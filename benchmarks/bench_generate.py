@@ -1,0 +1,389 @@
+"""End to end: how fast does HF ``generate`` decode with flashcore, against HF's own eager and compiled paths?
+
+A random-weight Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32/8 heads, head_dim 64, intermediate 8192,
+vocab 128256, tied embeddings, llama3 RoPE), bf16, a prompt of 512 random token ids, 256 new tokens, greedy,
+B in {1, 16}. Four paths, each warmed up with one full generate (compilation happens there) and then timed:
+
+- ``stock_eager``: sdpa attention + DynamicCache, eager (HF's default);
+- ``stock_static_compiled``: ``cache_implementation="static"``; transformers 5.x then compiles the decode step
+  itself (a compileable cache on CUDA makes generate call ``get_compiled_call``, default
+  ``CompileConfig(mode="reduce-overhead")``, i.e. inductor with CUDA graphs);
+- ``flashcore_eager``: ``apply_flashcore_to_llama`` + ``FlashCoreCache``, ``generate(disable_compile=True)``;
+- ``flashcore_compiled``: the same, letting generate compile the decode step (FlashCoreCache is compileable).
+
+Reported per row: tok/s = B * 256 / generate time, ms per step = time / 256 (issue 5's definition, prefill
+included), the decode-only ms per step (time minus a 1-token generate, over 255), and model-bandwidth
+utilisation = (weight bytes + KV bytes read per decode step) / decode step time / 3.0 TB/s. Inductor's
+"skipping cudagraphs" warnings and its cudagraph_skips counter are recorded per path. Greedy tokens are compared
+between flashcore eager and compiled (must be identical) and against stock eager (reported).
+
+    python benchmarks/bench_generate.py --out DIR             # ~5-7 min on an H100, most of it compiling
+    python benchmarks/bench_generate.py --dry-run --out /tmp/x    # tiny model on the CPU: tests the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import statistics
+import time
+
+import harness
+import torch
+
+PATHS = ("stock_eager", "flashcore_eager", "flashcore_compiled", "stock_static_compiled")
+KV_ELEM_BYTES = 2  # bf16
+
+
+def build_config(is_tiny: bool):
+    from transformers import LlamaConfig
+
+    rope = {  # Llama-3.2's
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    sizes = dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        vocab_size=128256,
+    )
+    if is_tiny:  # same head layout, toy widths: for --dry-run on the CPU
+        sizes.update(hidden_size=128, num_hidden_layers=2, head_dim=4, intermediate_size=256, vocab_size=1000)
+    return LlamaConfig(
+        **sizes,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_parameters=rope,
+        bos_token_id=None,
+        eos_token_id=None,  # random weights: never stop early, always generate exactly max_new_tokens
+        pad_token_id=0,
+    )
+
+
+def build_model(config, device: torch.device):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+class WarningCapture(logging.Handler):
+    """Keeps the WARNING+ records of torch._inductor / torch._dynamo (recompiles, skipped cudagraphs)."""
+
+    LOGGERS = ("torch._inductor", "torch._dynamo")
+
+    def __init__(self):
+        super().__init__(level=logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage()[:1500])
+
+    def __enter__(self):
+        for name in self.LOGGERS:
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeHandler(self)
+
+
+def enable_cudagraph_skip_logging() -> None:
+    """Inductor logs a skipped CUDA graph on an artifact logger ("perf_hints" in older torch, "cudagraphs" in
+    newer); the first is off by default and does not propagate, so switch both on where they exist."""
+    for artifact in ("perf_hints", "cudagraphs"):
+        try:
+            torch._logging.set_logs(**{artifact: True})
+        except Exception:  # noqa: BLE001  (an artifact this torch does not have)
+            continue
+
+
+def cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
+class Runner:
+    """Builds the two models once, then runs any (path, batch) pair as one guarded row."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device):
+        self.args = args
+        self.device = device
+        self.config = build_config(args.dry_run)
+        self.stock_model = build_model(self.config, device)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.stock_model.parameters())
+        # Copied before anything is compiled (a compiled model holds a compiled callable that does not deep-copy).
+        has_flashcore_path = any(path.startswith("flashcore") for path in args.paths)
+        self.flashcore_base = copy.deepcopy(self.stock_model) if has_flashcore_path else None
+        self.flashcore_model = None
+        self.flashcore_error: str | None = None
+        generator = torch.Generator().manual_seed(1234)
+        self.prompts = {
+            batch: torch.randint(0, self.config.vocab_size, (batch, args.prompt_len), generator=generator)
+            for batch in args.batches
+        }
+        self.tokens: dict[tuple[str, int], torch.Tensor] = {}
+        self.caches: dict[tuple[str, int], object] = {}
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def flashcore(self):
+        """The copy of the stock model (same weights) with flashcore applied, on first use."""
+        if self.flashcore_model is None and self.flashcore_error is None:
+            try:
+                from flashcore.integrations.llama import apply_flashcore_to_llama
+
+                patched = apply_flashcore_to_llama(self.flashcore_base)
+                self.flashcore_model = patched if patched is not None else self.flashcore_base
+            except Exception as error:  # noqa: BLE001  (recorded on every flashcore row)
+                self.flashcore_error = f"{type(error).__name__}: {error}"
+        if self.flashcore_model is None:
+            raise RuntimeError(f"flashcore integration unavailable: {self.flashcore_error}")
+        return self.flashcore_model
+
+    def flashcore_cache(self, path: str, batch: int):
+        """One FlashCoreCache per (path, batch), reset before each generate: a compiled step keeps its CUDA graph
+        only while the cache tensors keep their addresses, as HF does with its own StaticCache."""
+        key = (path, batch)
+        if key in self.caches:
+            try:
+                self.caches[key].reset()
+                return self.caches[key]
+            except Exception:  # noqa: BLE001  (no usable reset: a new cache, recorded on the row)
+                self.caches[key + ("reset_failed",)] = True
+        from flashcore.integrations.llama import FlashCoreCache
+
+        cache = FlashCoreCache(
+            self.config,
+            self.args.prompt_len + self.args.new_tokens,
+            max_batch_size=batch,
+            device=self.device,
+            dtype=torch.bfloat16,
+        )
+        self.caches[key] = cache
+        return cache
+
+    def generate(self, path: str, batch: int, max_new_tokens: int) -> torch.Tensor:
+        ids = self.prompts[batch].to(self.device)
+        kwargs = dict(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+        if path == "stock_eager":
+            return self.stock_model.generate(**kwargs)
+        if path == "stock_static_compiled":
+            return self.stock_model.generate(**kwargs, cache_implementation="static")
+        model = self.flashcore()
+        cache = self.flashcore_cache(path, batch)
+        return model.generate(**kwargs, past_key_values=cache, disable_compile=(path == "flashcore_eager"))
+
+    def timed_generate(self, path: str, batch: int, max_new_tokens: int) -> tuple[float, torch.Tensor]:
+        self.synchronize()
+        started = time.perf_counter()
+        out = self.generate(path, batch, max_new_tokens)
+        self.synchronize()
+        return time.perf_counter() - started, out
+
+    def run(self, row: dict) -> None:
+        path, batch, args = row["path"], row["B"], self.args
+        skips_before = cudagraph_skips()
+        with WarningCapture() as captured:
+            row["warmup_s"], _ = self.timed_generate(path, batch, args.new_tokens)  # compiles, if it compiles
+            times = []
+            for _ in range(args.n_timed):
+                elapsed, out = self.timed_generate(path, batch, args.new_tokens)
+                times.append(elapsed)
+            row["prefill_s"], _ = self.timed_generate(path, batch, 1)
+        row["cudagraph_skips"] = cudagraph_skips() - skips_before
+        row["warnings"] = captured.messages[:20]
+        row["skipping_cudagraphs"] = [m for m in captured.messages if "skipping cudagraphs" in m][:5]
+        if (path, batch, "reset_failed") in self.caches:
+            row["cache_reset_failed"] = True
+        new = out[:, args.prompt_len :].cpu()
+        row["generated_tokens"] = new.shape[1]
+        if new.shape[1] != args.new_tokens:
+            raise RuntimeError(f"generated {new.shape[1]} tokens, expected {args.new_tokens}")
+        self.tokens[(path, batch)] = new
+        row["times_s"] = [round(t, 4) for t in times]
+        median_s = statistics.median(times)
+        row["median_s"] = median_s
+        row["tok_per_s"] = batch * args.new_tokens / median_s
+        row["ms_per_step"] = 1e3 * median_s / args.new_tokens
+        decode_s = median_s - row["prefill_s"]
+        # A 1-token generate slower than the whole one means noise swamps the split: fall back to ms_per_step.
+        row["decode_ms_per_step"] = 1e3 * decode_s / (args.new_tokens - 1) if decode_s > 0 else None
+        row["bandwidth_basis"] = "decode_ms_per_step" if decode_s > 0 else "ms_per_step"
+        row.update(self.bandwidth(batch, row[row["bandwidth_basis"]]))
+
+    def bandwidth(self, batch: int, step_ms: float) -> dict:
+        """Bytes one decode step must read: every weight once (the tied embedding once, as the LM head), plus
+        K and V of every layer for the average context, prompt_len + new_tokens / 2."""
+        config, args = self.config, self.args
+        avg_context = args.prompt_len + args.new_tokens / 2
+        kv_bytes = 2 * config.num_hidden_layers * batch * config.num_key_value_heads * config.head_dim
+        kv_bytes = int(kv_bytes * avg_context * KV_ELEM_BYTES)
+        step_bytes = self.weight_bytes + kv_bytes
+        tb_per_s = step_bytes / (step_ms * 1e-3) / 1e12
+        return {
+            "weight_bytes": self.weight_bytes,
+            "kv_bytes_per_step": kv_bytes,
+            "step_tb_per_s": tb_per_s,
+            "bandwidth_util_pct": 100 * tb_per_s / harness.NOMINAL_TB_PER_S,
+        }
+
+
+def agreement(runner: Runner) -> dict:
+    """Greedy tokens: flashcore eager vs compiled must match exactly; every path is also compared with stock."""
+
+    def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+        same = a == b
+        first_diff = [int((~row).nonzero()[0]) if not bool(row.all()) else None for row in same]
+        return {
+            "identical": bool(same.all()),
+            "rows_identical": int(sum(d is None for d in first_diff)),
+            "rows": len(first_diff),
+            "first_divergence_per_row": first_diff,
+        }
+
+    result = {}
+    for batch in runner.args.batches:
+        tokens = {path: runner.tokens.get((path, batch)) for path in PATHS}
+        pairs = [("flashcore_eager", "flashcore_compiled")] + [("stock_eager", p) for p in PATHS[1:]]
+        for a, b in pairs:
+            if tokens[a] is not None and tokens[b] is not None:
+                result[f"B{batch} {a} vs {b}"] = compare(tokens[a], tokens[b])
+    return result
+
+
+COLUMNS = [
+    ("path", "path", ""),
+    ("B", "B", ""),
+    ("tok/s", "tok_per_s", ".1f"),
+    ("ms/step", "ms_per_step", ".2f"),
+    ("decode ms/step", "decode_ms_per_step", ".2f"),
+    ("% of 3 TB/s", "bandwidth_util_pct", ".0f"),
+    ("warmup s", "warmup_s", ".1f"),
+    ("cg skips", "cudagraph_skips", ""),
+    ("status", "status", ""),
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="result folder (default: $OUT, else benchmarks/results)")
+    parser.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
+    parser.add_argument("--paths", default=",".join(PATHS), help=f"comma-separated subset of {PATHS}")
+    parser.add_argument("--prompt-len", type=int, default=512, help="random prompt token ids per row")
+    parser.add_argument("--new-tokens", type=int, default=256, help="greedy tokens generated per row")
+    parser.add_argument("--n-timed", type=int, default=2, help="timed generates per row, after one warm-up")
+    parser.add_argument("--time-budget-s", type=float, default=420.0, help="skip the remaining rows after this")
+    parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU: checks the script only")
+    args = parser.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.paths = [p for p in args.paths.split(",") if p]
+    unknown = set(args.paths) - set(PATHS)
+    if unknown:
+        parser.error(f"unknown paths {sorted(unknown)}; choose from {PATHS}")
+    if args.new_tokens < 2 or args.n_timed < 1:
+        parser.error("--new-tokens must be >= 2 and --n-timed >= 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    if args.dry_run:
+        device = torch.device("cpu")
+        args.batches = [min(b, 2) for b in args.batches]
+        args.prompt_len, args.new_tokens, args.n_timed = min(args.prompt_len, 16), min(args.new_tokens, 4), 1
+    elif not torch.cuda.is_available():
+        raise SystemExit("bench_generate.py needs a CUDA GPU (use --dry-run to test the script on the CPU)")
+    else:
+        device = torch.device("cuda")
+    out_dir = harness.resolve_out_dir(args.out)
+    json_path, png_path = out_dir / "bench_generate.json", out_dir / "bench_generate.png"
+    payload = {
+        "benchmark": "bench_generate",
+        "status": "running",
+        "dry_run": args.dry_run,
+        "environment": harness.environment(device),
+        "settings": vars(args),
+        "formulas": {
+            "tok_per_s": "B * new_tokens / median generate time (prefill included)",
+            "ms_per_step": "median generate time / new_tokens",
+            "decode_ms_per_step": "(median generate time - 1-token generate time) / (new_tokens - 1)",
+            "bandwidth_util_pct": Runner.bandwidth.__doc__
+            + " Over decode_ms_per_step (row's bandwidth_basis says if ms_per_step was used), against 3.0 TB/s.",
+        },
+        "rows": [],
+    }
+    harness.log(f"bench_generate: {payload['environment'].get('gpu') or device}, results -> {json_path}")
+    enable_cudagraph_skip_logging()
+    runner = Runner(args, device)
+    payload["model"] = {
+        "config": {k: v for k, v in runner.config.to_dict().items() if isinstance(v, (int, float, str, dict))},
+        "weight_bytes": runner.weight_bytes,
+    }
+    # Batch-major, so that a time-budget cut loses the last B=16 rows rather than a whole path.
+    for batch in args.batches:
+        for path in args.paths:
+            row = {"path": path, "B": batch}
+            harness.log(f"[{path} B={batch}]  (t={time.perf_counter() - started:.0f}s)")
+            if time.perf_counter() > started + args.time_budget_s:
+                row.update(status="skipped", reason=f"time budget of {args.time_budget_s:.0f}s spent")
+            else:
+                if path.endswith("compiled"):
+                    # Both models compile the same Module.__call__ code, so they share dynamo's cache and its
+                    # recompile limit; a new batch size or model recompiles anyway. Start each compiled row empty.
+                    torch._dynamo.reset()
+                harness.run_guarded(row, runner.run)
+                if row["status"] == "ok":
+                    harness.log(f"  {row['tok_per_s']:.1f} tok/s, {row['ms_per_step']:.2f} ms/step")
+            payload["rows"].append(row)
+            payload["agreement"] = agreement(runner)
+            harness.write_json(json_path, payload)
+    payload["status"] = "complete"
+    payload["wall_s"] = round(time.perf_counter() - started, 1)
+    harness.write_json(json_path, payload)
+    harness.log(f"\n== HF generate, prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy ==")
+    harness.log(harness.format_table(payload["rows"], COLUMNS))
+    for name, result in payload["agreement"].items():
+        harness.log(f"tokens {name}: {result['rows_identical']}/{result['rows']} rows identical")
+    for row in payload["rows"]:
+        if row.get("status") in ("error", "skipped"):
+            harness.log(f"{row['status']}: {row['path']} B={row['B']}: {row.get('error') or row.get('reason')}")
+        if row.get("skipping_cudagraphs"):
+            harness.log(f"{row['path']} B={row['B']}: {row['skipping_cudagraphs'][0][:300]}")
+    try:
+        import plot
+
+        plot.plot_generate(payload, png_path)
+        harness.log(f"wrote {json_path} and {png_path}")
+    except Exception as error:  # noqa: BLE001  (the JSON is the result; plot.py can redraw the picture)
+        harness.log(f"wrote {json_path}; plot failed: {error!r}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

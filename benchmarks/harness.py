@@ -1,0 +1,327 @@
+"""How the benchmarks time a call and record a run: the timers, the ceilings, and the result file.
+
+Every flashcore call appends to its cache and advances ``seq_lens`` in place, so it cannot be handed to
+``triton.testing.do_bench`` as is: do_bench's warm-up and repeats (thousands of calls for a 10 µs kernel), and
+do_bench_cudagraph's graph of thousands of unrolled calls, would time a cache that grows by thousands of tokens
+and, with ``check=False``, runs past its capacity. :class:`CudaTimer` therefore repeats do_bench's method (zero
+a 256 MB buffer to flush the 50 MB L2, CUDA events around the call, median over many calls) and adds one step,
+outside the events: ``reset()``, which puts ``seq_lens`` back, so every timed call sees exactly the same
+cache. The stateless SDPA side is also timed with do_bench itself, as a check on this harness.
+
+The benchmark scripts import this file as a sibling module (``python benchmarks/bench_*.py`` puts
+``benchmarks/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+NOMINAL_TB_PER_S = 3.0  # H100 SXM HBM3, the ceiling issue 5 counts against (copy measured 3.02 TB/s)
+NOMINAL_TFLOPS = 790.0  # H100 dense bf16 matmul as measured on the device machine (issue 5)
+L2_FLUSH_BYTES = 256 * 1024 * 1024  # triton.testing.do_bench zeroes this much before each call
+# The rotating input sets of a graph replay aim to add up to this, five times the H100's 50 MB L2, so one call's
+# K/V is long evicted when the same set comes round again (at most MAX_ROTATION_SETS: B1 L1k gets 32 x 4.2 MB).
+ROTATION_BYTES = 256 * 1024 * 1024
+MAX_ROTATION_SETS = 32
+# torch.cuda._sleep argument, in GPU clock cycles: ~25 ms at the H100's 1.98 GHz, longer than the host
+# needs to issue the 128 calls of a host-time sample, so the device never stalls the host.
+HOST_TIMING_SLEEP_CYCLES = 50_000_000
+
+
+def resolve_out_dir(out: str | None) -> Path:
+    """``--out``, else ``$OUT`` (the device machine's result folder), else ``benchmarks/results``."""
+    path = Path(out or os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def git_commit() -> str:
+    """HEAD (with "-dirty" if the tree has uncommitted or untracked files), else $FLASHCORE_GIT_COMMIT, else "unknown".
+
+    The device machine receives a copy of the working tree that may have no .git; whoever launches the run there
+    passes the commit in FLASHCORE_GIT_COMMIT."""
+    fallback = os.environ.get("FLASHCORE_GIT_COMMIT") or "unknown"
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return fallback
+    commit = result.stdout.strip()
+    if result.returncode != 0 or not commit:
+        return fallback
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain"],
+        cwd=Path(__file__).resolve().parent,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    ).stdout.strip()
+    return commit + ("-dirty" if dirty else "")
+
+
+def environment(device: torch.device) -> dict:
+    """What the numbers were measured on: GPU, library versions, commit, date."""
+    import triton
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "device": str(device),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            gpu=props.name,
+            cuda=torch.version.cuda,
+            sm_count=props.multi_processor_count,
+            gpu_memory_gb=round(props.total_memory / 1e9, 1),
+            l2_cache_mb=round(getattr(props, "L2_cache_size", 0) / 1e6, 1),
+        )
+    else:
+        info["gpu"] = None
+    return info
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Atomic rewrite, so a run killed mid-write still leaves the previous complete file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def run_guarded(row: dict, body: Callable[[dict], None]) -> dict:
+    """Runs one row; an exception is recorded on the row (and printed) instead of ending the script."""
+    started = time.perf_counter()
+    try:
+        body(row)
+        row.setdefault("status", "ok")
+    except Exception as error:  # noqa: BLE001  (one failing config must not stop the others)
+        row["status"] = "error"
+        row["error"] = f"{type(error).__name__}: {error}"[:2000]
+        row["traceback"] = traceback.format_exc()[-4000:]
+        log(f"  ERROR {row['error'][:300]}")
+    finally:
+        row["wall_s"] = round(time.perf_counter() - started, 2)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    return row
+
+
+def rotation_sets(bytes_per_set: int, max_sets: int = MAX_ROTATION_SETS) -> int:
+    """How many input sets a graph replay cycles through: enough to add up to ROTATION_BYTES."""
+    return max(1, min(max_sets, -(-ROTATION_BYTES // max(1, bytes_per_set))))
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, *, atol: float, rtol: float) -> dict:
+    """Max abs error, relative L2 error, and pass = finite and |out - ref| <= atol + rtol * |ref| everywhere."""
+    out32, ref32 = out.float(), ref.float()
+    diff = (out32 - ref32).abs()
+    is_finite = bool(torch.isfinite(out32).all())
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    ref_norm = float(ref32.norm())
+    rel_l2 = float((out32 - ref32).norm()) / ref_norm if ref_norm > 0 else float(max_abs > 0)
+    within = bool((diff <= atol + rtol * ref32.abs()).all())
+    return {"passed": is_finite and within, "max_abs_err": max_abs, "rel_l2_err": rel_l2, "finite": is_finite}
+
+
+class CudaTimer:
+    """do_bench's method plus a state reset outside the timed region (see the module docstring)."""
+
+    def __init__(self, device: torch.device, *, eager_iters: int, graph_replays: int, host_samples: int):
+        self.device = device
+        self.eager_iters = eager_iters
+        self.graph_replays = graph_replays
+        self.host_samples = host_samples
+        self._flush_buffer = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def _before_timed_call(self, reset: Callable[[], None]) -> None:
+        reset()
+        # Besides emptying L2, the ~85 µs memset keeps the GPU busy while the host issues the timed call, so
+        # the events measure device time, as do_bench does; host cost is measured separately (host_us).
+        self._flush_buffer.zero_()
+
+    def eager_us(self, call: Callable[[], object], reset: Callable[[], None], warmup: int = 3) -> float:
+        """Median device time of one eager call, cold L2, state reset before each call."""
+        for _ in range(warmup):
+            reset()
+            call()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.eager_iters)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.eager_iters)]
+        for start, end in zip(starts, ends, strict=True):
+            self._before_timed_call(reset)
+            start.record()
+            call()
+            end.record()
+        self.synchronize()
+        reset()
+        return 1e3 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+    def graph_us(
+        self, calls: list[Callable[[], object]], reset: Callable[[], None]
+    ) -> tuple[float, list[object], torch.cuda.CUDAGraph]:
+        """Median device time per call under CUDA-graph replay, the graph's static outputs, and the graph.
+
+        The outputs live in the graph's memory pool: keep the returned graph alive while reading them.
+
+        One graph holds one call per rotating input set, so consecutive calls touch different memory; each
+        replay is preceded (outside the events) by the reset and an L2 flush.
+        """
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graphs advises
+            for call in calls:
+                reset()
+                call()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self.synchronize()
+        reset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = [call() for call in calls]
+        self.synchronize()
+        per_call_ms = []
+        for _ in range(self.graph_replays):
+            self._before_timed_call(reset)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            self.synchronize()
+            per_call_ms.append(start.elapsed_time(end) / len(calls))
+        # Leave the outputs of one replay from the reset state, for the caller to check.
+        reset()
+        graph.replay()
+        self.synchronize()
+        return 1e3 * statistics.median(per_call_ms), outputs, graph
+
+    def host_us(self, calls: list[Callable[[], object]], reset: Callable[[], None], n_calls: int) -> float:
+        """Host time to issue one eager call (Python, validation, launch), with the device never the limit.
+
+        A long ``torch.cuda._sleep`` kernel is queued first, so the ``n_calls`` calls issued after it only
+        enqueue work (no queue is full, nothing waits on the device); perf_counter brackets the issuing.
+        """
+        reset()
+        for call in calls:  # allocator and launcher caches warm
+            call()
+        samples = []
+        for _ in range(self.host_samples):
+            reset()
+            self.synchronize()
+            torch.cuda._sleep(HOST_TIMING_SLEEP_CYCLES)
+            started = time.perf_counter()
+            for i in range(n_calls):
+                calls[i % len(calls)]()
+            elapsed = time.perf_counter() - started
+            self.synchronize()
+            samples.append(1e6 * elapsed / n_calls)
+        reset()
+        return statistics.median(samples)
+
+
+class CpuTimer:
+    """Wall-clock stand-in used by ``--dry-run``: exercises every code path on a machine without a GPU."""
+
+    def __init__(self, device: torch.device, *, eager_iters: int, graph_replays: int, host_samples: int):
+        self.device = device
+        self.eager_iters = eager_iters
+        self.host_samples = host_samples
+
+    def synchronize(self) -> None:
+        pass
+
+    def eager_us(self, call, reset, warmup: int = 1) -> float:
+        for _ in range(warmup):
+            reset()
+            call()
+        samples = []
+        for _ in range(self.eager_iters):
+            reset()
+            started = time.perf_counter()
+            call()
+            samples.append(1e6 * (time.perf_counter() - started))
+        reset()
+        return statistics.median(samples)
+
+    def graph_us(self, calls, reset):
+        return None, None, None
+
+    def host_us(self, calls, reset, n_calls: int) -> float:
+        samples = []
+        for _ in range(self.host_samples):
+            reset()
+            started = time.perf_counter()
+            for i in range(n_calls):
+                calls[i % len(calls)]()
+            samples.append(1e6 * (time.perf_counter() - started) / n_calls)
+        reset()
+        return statistics.median(samples)
+
+
+def make_timer(device: torch.device, **kwargs) -> CudaTimer | CpuTimer:
+    return CudaTimer(device, **kwargs) if device.type == "cuda" else CpuTimer(device, **kwargs)
+
+
+def measure_copy_tb_per_s(device: torch.device, nbytes: int = 2 * 1024**3) -> dict:
+    """The memory ceiling, measured: a device-to-device copy, counting bytes read plus bytes written."""
+    import triton.testing
+
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=device)  # random data, never zeros
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return {"copy_bytes": 2 * nbytes, "copy_ms": ms, "copy_tb_per_s": 2 * nbytes / (ms * 1e-3) / 1e12}
+
+
+def measure_matmul_tflops(device: torch.device, n: int = 8192) -> dict:
+    """The compute ceiling, measured: a bf16 n x n x n matrix product (2 n^3 FLOPs) on random data."""
+    import triton.testing
+
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    return {"matmul_n": n, "matmul_ms": ms, "matmul_tflops": 2 * n**3 / (ms * 1e-3) / 1e12}
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """columns: (header, key, format spec); a missing or None value prints as '-'."""
+    cells = [[header for header, _, _ in columns]]
+    for row in rows:
+        line = []
+        for _, key, spec in columns:
+            value = row.get(key)
+            line.append("-" if value is None else format(value, spec) if spec else str(value))
+        cells.append(line)
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in cells)

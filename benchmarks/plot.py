@@ -1,0 +1,146 @@
+"""Draws the benchmark figures from result JSON files alone: no GPU, no re-measuring.
+
+The README's PNGs come from the committed files in ``benchmarks/results/``; the benchmark scripts call the same
+functions right after a run.
+
+    python benchmarks/plot.py                                   # every benchmarks/results/bench_*.json
+    python benchmarks/plot.py RUN/bench_attention.json --out-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _subtitle(payload: dict) -> str:
+    env = payload.get("environment", {})
+    commit = str(env.get("git_commit", "unknown"))[:12]
+    note = "  DRY RUN (CPU, not a measurement)" if payload.get("dry_run") else ""
+    return f"{env.get('gpu') or env.get('device')}, {str(env.get('date', ''))[:10]}, commit {commit}{note}"
+
+
+def _bars(ax, labels: list[str], series: dict[str, list], ylabel: str) -> None:
+    width = 0.8 / max(1, len(series))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
+        ax.bar(xs, [v if v is not None else 0.0 for v in values], width, label=name)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot_attention(payload: dict, path: Path) -> None:
+    """Decode: ratio against SDPA and TB/s against the copy ceiling; prefill-like rows: TFLOP/s against 790."""
+    plt = _pyplot()
+    rows = [r for r in payload["rows"] if r.get("status") == "ok"]
+    decode = [r for r in rows if r["section"] == "decode"]
+    compute = [r for r in rows if r["section"] != "decode"]
+    ceilings = payload.get("ceilings", {})
+    fig, axes = plt.subplots(3, 1, figsize=(12, 13))
+
+    labels = [r["name"].removeprefix("decode ") for r in decode]
+    ratio_series = {"graph replay": [r.get("ratio_graph") for r in decode]}
+    ratio_series["eager"] = [r.get("ratio_eager") for r in decode]
+    _bars(axes[0], labels, ratio_series, "SDPA time / flashcore time")
+    axes[0].axhline(1.0, color="black", lw=1)
+    axes[0].axhline(1.3, color="gray", lw=1, ls="--", label="1.3x (B=1, L<=4k target)")
+    axes[0].set_title("Decode: speed-up over torch SDPA (> 1: flashcore faster)")
+    axes[0].legend(fontsize=8)
+
+    tb_series = {
+        "flashcore (graph)": [r.get("fc_graph_tb_per_s") or r.get("fc_eager_tb_per_s") for r in decode],
+        "SDPA (graph)": [r.get("sdpa_graph_tb_per_s") or r.get("sdpa_eager_tb_per_s") for r in decode],
+    }
+    _bars(axes[1], labels, tb_series, "TB/s")
+    if ceilings.get("copy_tb_per_s"):
+        copy_tb = ceilings["copy_tb_per_s"]
+        axes[1].axhline(copy_tb, color="red", lw=1, label=f"measured copy {copy_tb:.2f} TB/s")
+        axes[1].axhline(0.85 * copy_tb, color="red", lw=1, ls=":", label="85% of copy")
+    axes[1].axhline(ceilings.get("nominal_tb_per_s", 3.0), color="black", lw=1, ls="--", label="3.0 TB/s")
+    axes[1].set_title("Decode: achieved bandwidth (minimum bytes / time)")
+    axes[1].legend(fontsize=8)
+
+    flop_series = {
+        "flashcore (eager)": [r.get("fc_eager_tflops") for r in compute],
+        "SDPA (eager)": [r.get("sdpa_eager_tflops") for r in compute],
+    }
+    _bars(axes[2], [r["name"] for r in compute], flop_series, "TFLOP/s")
+    axes[2].axhline(ceilings.get("nominal_tflops", 790.0), color="black", lw=1, ls="--", label="790 TFLOP/s")
+    if ceilings.get("matmul_tflops"):
+        axes[2].axhline(ceilings["matmul_tflops"], color="red", lw=1, label="measured bf16 matmul")
+    axes[2].set_title("Prefill, chunked prefill, mixed batch: achieved TFLOP/s")
+    axes[2].legend(fontsize=8)
+
+    fig.suptitle(f"flashcore vs torch SDPA, bf16 - {_subtitle(payload)}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_generate(payload: dict, path: Path) -> None:
+    """End to end: tok/s per path and batch size, and model-bandwidth utilisation."""
+    plt = _pyplot()
+    rows = [r for r in payload["rows"] if r.get("status") == "ok"]
+    paths = list(dict.fromkeys(r["path"] for r in payload["rows"]))
+    batches = sorted({r["B"] for r in payload["rows"]})
+    by_key = {(r["path"], r["B"]): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, key, ylabel, title in (
+        (axes[0], "tok_per_s", "tokens / s", "HF generate throughput (prompt + decode)"),
+        (axes[1], "bandwidth_util_pct", "% of 3.0 TB/s", "Model-bandwidth utilisation, decode steps"),
+    ):
+        series = {f"B={b}": [by_key.get((p, b), {}).get(key) for p in paths] for b in batches}
+        _bars(ax, paths, series, ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+        if key == "tok_per_s":
+            ax.set_yscale("log")
+    fig.suptitle(f"Llama-3.2-1B-shaped random model, bf16 - {_subtitle(payload)}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+PLOTTERS = {"bench_attention": plot_attention, "bench_generate": plot_generate}
+
+
+def plot_file(json_path: Path, out_dir: Path | None = None) -> Path:
+    payload = json.loads(json_path.read_text())
+    plotter = PLOTTERS.get(payload.get("benchmark", json_path.stem))
+    if plotter is None:
+        raise ValueError(f"{json_path}: unknown benchmark {payload.get('benchmark')!r}; known: {sorted(PLOTTERS)}")
+    png_path = (out_dir or json_path.parent) / (json_path.stem + ".png")
+    plotter(payload, png_path)
+    return png_path
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="*", type=Path, help="result JSON files (default: benchmarks/results/)")
+    parser.add_argument("--out-dir", type=Path, help="where to write the PNGs (default: beside each JSON)")
+    args = parser.parse_args(argv)
+    files = args.files or sorted(RESULTS_DIR.glob("bench_*.json"))
+    if not files:
+        raise SystemExit(f"no result files given and none in {RESULTS_DIR}")
+    if args.out_dir:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+    for json_path in files:
+        print(f"{json_path} -> {plot_file(json_path, args.out_dir)}")
+
+
+if __name__ == "__main__":
+    main()
