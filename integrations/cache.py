@@ -1,0 +1,275 @@
+"""``FlashCoreCache``: a transformers ``Cache`` whose layers each own one flashcore ``(K, V, seq_lens)`` 3-tuple.
+
+The cache rules (what a row holds, where new tokens land, ``seq_lens += n``) are those of
+:func:`flashcore.attention_with_kv_cache`. This module only allocates the tuples and answers transformers'
+questions about them (lengths, mask sizes, beam reordering). It never writes K or V: ``update()`` returns the new
+keys and values untouched, and the attention function registered by :mod:`flashcore.integrations.llama` appends
+them in the same launch that attends.
+
+Two lengths are kept per layer. ``seq_lens[b]`` is row b's true token count; left padding is never stored, so rows
+differ. ``get_seq_length()`` is the *logical* length that ``generate`` expects: the number of attention-mask columns
+consumed so far, pads included, the same for every row. Both live in tensors, so a compiled decode step reads no
+Python int that changes per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from flashcore.cache import KVCache, allocate_kv_cache
+
+DeviceLike = torch.device | str | int
+
+
+class FlashCoreLayer(CacheLayerMixin):
+    """One decoder layer's 3-tuple, allocated on the first ``update`` (or eagerly) on that layer's device.
+
+    ``keys``/``values`` are the preallocated ``[B, H_kv, max_cache_len, D]`` buffers; slots at or past
+    ``seq_lens[b]`` hold garbage. ``logical_length`` is a 0-d int64 tensor (see the module docstring).
+    """
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, max_cache_len: int, *, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.max_cache_len = max_cache_len
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.seq_lens: torch.Tensor | None = None
+        self.logical_length = torch.zeros((), dtype=torch.int64)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch_size, num_kv_heads, _, head_dim = key_states.shape
+        if (num_kv_heads, head_dim) != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"FlashCoreCache was built for {self.num_kv_heads} KV heads of dim {self.head_dim} (from the config) "
+                f"but got key states {tuple(key_states.shape)}; build the cache from this model's config"
+            )
+        self.batch_size, self.dtype, self.device = batch_size, key_states.dtype, key_states.device
+        self.keys, self.values, self.seq_lens = allocate_kv_cache(
+            batch_size, num_kv_heads, self.max_cache_len, head_dim, dtype=self.dtype, device=self.device
+        )
+        self.logical_length = self.logical_length.to(self.device)
+        # Fixed addresses let inductor keep CUDA graphs although the compiled step mutates these tensors, and
+        # guard=False lets a new cache of the same shapes reuse the compiled graph instead of recompiling.
+        # Marking is not allowed while dynamo traces; only a compiled prefill would allocate there.
+        if not torch.compiler.is_compiling():
+            for tensor in (self.keys, self.values, self.seq_lens, self.logical_length):
+                torch._dynamo.mark_static_address(tensor, guard=False)
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allocates on first use, refuses a step that could overflow, and returns ``(key_states, value_states)``.
+
+        Nothing is copied: the flashcore attention function appends the new tokens inside the kernel and then
+        advances ``seq_lens`` and ``logical_length``. A refused step leaves the cache untouched.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        # One host read per layer and step, like the op's own value check (which the attention function then
+        # skips). Left out of compiled graphs and CUDA-graph capture (no host sync allowed there), where the
+        # kernel still never writes past capacity.
+        if not _is_capturing_or_tracing():
+            self._check_capacity(key_states.shape[2])
+        return key_states, value_states
+
+    def _check_capacity(self, num_new: int) -> None:
+        longest = int(self.seq_lens.max()) if self.batch_size else 0
+        if longest + num_new > self.max_cache_len:
+            raise ValueError(
+                f"FlashCoreCache is full: a row holds {longest} tokens and this step brings {num_new} more (pads "
+                f"included), {longest + num_new} > max_cache_len={self.max_cache_len}. Nothing was written. Build "
+                f"the cache with room for the whole conversation, e.g. FlashCoreCache(model.config, "
+                f"max_cache_len={longest + num_new}) or larger, or call cache.reset() to start over."
+            )
+
+    def advance(self, num_new: int) -> None:
+        """Advances the logical length by the ``S_q`` positions (pads included) of a step the kernel ran."""
+        self.logical_length.add_(num_new)
+
+    def get_seq_length(self) -> torch.Tensor | int:
+        return self.logical_length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Constant across steps (a per-step value would recompile); flashcore's mask function only reads the
+        # new tokens' padding columns, never kv_length.
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        """Empties every row; K and V keep their contents, which are garbage once ``seq_lens`` is 0."""
+        if self.is_initialized:
+            self.seq_lens.zero_()
+            self.logical_length.zero_()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorders rows for beam search, copying in place so the buffers keep their (static) addresses."""
+        if not self.is_initialized:
+            return
+        index = beam_idx.to(self.device)
+        for tensor in (self.keys, self.values, self.seq_lens):
+            tensor.copy_(tensor.index_select(0, index))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "FlashCoreCache cannot be cropped (assisted generation, DoLa or contrastive search); use greedy, "
+            "sampling or beam search, or remove_flashcore(model)"
+        )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("FlashCoreCache cannot repeat rows after allocation; expand the inputs instead")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("FlashCoreCache cannot drop rows; its buffers are preallocated")
+
+    def offload(self) -> None:
+        raise NotImplementedError("FlashCoreCache does not offload layers; the kernel reads K/V where they live")
+
+
+class FlashCoreCache(Cache):
+    """A ``transformers.Cache`` with one preallocated flashcore 3-tuple per decoder layer.
+
+    Pass it to ``generate`` (or a forward call) of a model patched by
+    :func:`flashcore.integrations.llama.apply_flashcore_to_llama`; ``generate`` builds one by itself when none is
+    passed. Every layer is allocated on its first ``update``, on the device and in the dtype of that layer's keys,
+    so layers may live on different devices (``device_map="auto"``). With ``max_batch_size``, ``device`` and
+    ``dtype`` all given, all layers are allocated at construction instead.
+
+    ``get_kv_cache(layer_idx)`` returns a layer's ``(k_cache, v_cache, seq_lens)``, the tuple that
+    :func:`flashcore.attention_with_kv_cache` reads and writes. Beam search is supported (``reorder_cache`` copies
+    rows in place); cropping is not. Works only with a patched model: a stock attention would never see the
+    cached tokens.
+
+    Args:
+        config: the model's config (its text config is used); every layer must be full attention.
+        max_cache_len: S_max, the capacity of every row in tokens. Pads of a left-padded prompt are not stored,
+            but a step is refused when the longest row plus that step's ``S_q`` (pads included) exceeds it.
+        max_batch_size: B; None takes it from the first update.
+        device: one device, or a sequence with one device per layer; None takes each layer's from its keys.
+        dtype: element type of K and V; None takes it from the first update.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` for the launches on this cache; None (default) uses the
+            backend given to ``apply_flashcore_to_llama``.
+    """
+
+    def __init__(
+        self,
+        config,
+        max_cache_len: int,
+        *,
+        max_batch_size: int | None = None,
+        device: DeviceLike | Sequence[DeviceLike] | None = None,
+        dtype: torch.dtype | None = None,
+        backend: str | None = None,
+    ) -> None:
+        text_config = config.get_text_config(decoder=True)
+        check_full_attention_only(text_config)
+        if not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive int (tokens per row), got {max_cache_len!r}")
+        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
+            raise ValueError(f"max_batch_size must be a positive int or None, got {max_batch_size!r}")
+        if backend not in (None, "auto", "triton", "torch"):
+            raise ValueError(f"backend must be None, 'auto', 'triton' or 'torch', got {backend!r}")
+        num_layers = text_config.num_hidden_layers
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        layers = [
+            FlashCoreLayer(max_cache_len, num_kv_heads=text_config.num_key_value_heads, head_dim=head_dim)
+            for _ in range(num_layers)
+        ]
+        super().__init__(layers=layers)
+        self._max_cache_len = max_cache_len
+        self._max_batch_size = max_batch_size
+        self._dtype = dtype
+        self._devices = _per_layer_devices(device, num_layers)
+        self.backend = backend
+        if max_batch_size is not None and dtype is not None and device is not None:
+            for layer, layer_device in zip(self.layers, self._devices, strict=True):
+                empty = torch.empty((max_batch_size, layer.num_kv_heads, 0, head_dim), dtype=dtype, device=layer_device)
+                layer.lazy_initialization(empty, empty)
+
+    @property
+    def max_cache_len(self) -> int:
+        """S_max, the capacity of every row in tokens."""
+        return self._max_cache_len
+
+    @property
+    def max_batch_size(self) -> int | None:
+        """B as given at construction (None: taken from the first update)."""
+        return self._max_batch_size
+
+    def get_kv_cache(self, layer_idx: int) -> KVCache:
+        """Layer ``layer_idx``'s ``(k_cache, v_cache, seq_lens)``: see :func:`flashcore.attention_with_kv_cache`."""
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            raise ValueError(f"layer {layer_idx} of the FlashCoreCache is not allocated yet; it is on the first update")
+        return layer.keys, layer.values, layer.seq_lens
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
+            self._check_first_update(layer_idx, key_states)
+        return layer.update(key_states, value_states)
+
+    def _check_first_update(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        expected_device = self._devices[layer_idx]
+        for name, expected, got, is_same in (
+            ("max_batch_size", self._max_batch_size, key_states.shape[0], _equals),
+            ("dtype", self._dtype, key_states.dtype, _equals),
+            ("device", expected_device, key_states.device, _is_same_device),
+        ):
+            if expected is not None and not is_same(expected, got):
+                raise ValueError(
+                    f"FlashCoreCache was built with {name}={expected} but layer {layer_idx} got keys with {name} "
+                    f"{got}; build the cache with {name}={got} or leave it None"
+                )
+
+
+def check_full_attention_only(config) -> None:
+    """Refuses configs with sliding-window or other non-full attention layers (flashcore's window is not wired in)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        other = sorted({layer_type for layer_type in layer_types if layer_type != "full_attention"})
+        if other:
+            raise NotImplementedError(
+                f"flashcore supports full-attention layers only, but this config has layer types {other}; "
+                f"sliding-window layers are not wired into the integration yet"
+            )
+    elif getattr(config, "sliding_window", None) is not None:
+        raise NotImplementedError(
+            f"flashcore supports full-attention layers only, but this config has sliding_window="
+            f"{config.sliding_window}; sliding-window layers are not wired into the integration yet"
+        )
+
+
+def _is_capturing_or_tracing() -> bool:
+    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _equals(expected, got) -> bool:
+    return expected == got
+
+
+def _is_same_device(expected: DeviceLike, got: torch.device) -> bool:
+    expected = torch.device(expected)
+    if expected.type != got.type:
+        return False
+    # "cuda" means the current CUDA device, whichever index that is.
+    return expected.index is None or expected.index == (got.index if got.index is not None else 0)
+
+
+def _per_layer_devices(device, num_layers: int) -> list:
+    if device is None or isinstance(device, (torch.device, str, int)):
+        return [device] * num_layers
+    devices = list(device)
+    if len(devices) != num_layers:
+        raise ValueError(f"device must be one device or one per layer ({num_layers}), got {len(devices)} devices")
+    return devices

