@@ -9,7 +9,10 @@ B in {1, 16}. Four paths, each warmed up with one full generate (compilation hap
   itself (a compileable cache on CUDA makes generate call ``get_compiled_call``, default
   ``CompileConfig(mode="reduce-overhead")``, i.e. inductor with CUDA graphs);
 - ``flashcore_eager``: ``apply_flashcore_to_llama`` + ``FlashCoreCache``, ``generate(disable_compile=True)``;
-- ``flashcore_compiled``: the same, letting generate compile the decode step (FlashCoreCache is compileable).
+- ``flashcore_compiled``: the same, letting generate compile the decode step (FlashCoreCache is compileable);
+- ``flashcore_session``: flashcore's own loop, :class:`flashcore.integrations.decode_session.DecodeSession`,
+  over the same patched model: prefill, then each token one CUDA-graph replay (greedy inside the graph); the
+  tokens are gathered on the device, so no step waits on the host.
 
 Reported per row: tok/s = B * 256 / generate time, ms per step = time / 256 (issue 5's definition, prefill
 included), the decode-only ms per step (time minus a 1-token generate, over 255), and model-bandwidth
@@ -32,7 +35,7 @@ import time
 import harness
 import torch
 
-PATHS = ("stock_eager", "flashcore_eager", "flashcore_compiled", "stock_static_compiled")
+PATHS = ("stock_eager", "flashcore_eager", "flashcore_compiled", "flashcore_session", "stock_static_compiled")
 KV_ELEM_BYTES = 2  # bf16
 
 
@@ -141,6 +144,7 @@ class Runner:
         }
         self.tokens: dict[tuple[str, int], torch.Tensor] = {}
         self.caches: dict[tuple[str, int], object] = {}
+        self.sessions: dict[int, object] = {}
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -195,8 +199,24 @@ class Runner:
         if path == "stock_static_compiled":
             return self.stock_model.generate(**kwargs, cache_implementation="static")
         model = self.flashcore()
+        if path == "flashcore_session":
+            return self.session_generate(model, ids, max_new_tokens)
         cache = self.flashcore_cache(path, batch)
         return model.generate(**kwargs, past_key_values=cache, disable_compile=(path == "flashcore_eager"))
+
+    def session_generate(self, model, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """One DecodeSession per batch size, reset between generates: its captured graph is reused."""
+        from flashcore.integrations.decode_session import DecodeSession
+
+        batch = ids.shape[0]
+        if batch not in self.sessions:
+            max_cache_len = self.args.prompt_len + self.args.new_tokens
+            self.sessions[batch] = DecodeSession(model, max_cache_len=max_cache_len, batch_size=batch)
+        session = self.sessions[batch]
+        session.reset()
+        tokens = [session.prefill(ids).clone()]
+        tokens += [session.decode_step().clone() for _ in range(max_new_tokens - 1)]
+        return torch.cat([ids, torch.stack(tokens, dim=1)], dim=1)
 
     def timed_generate(self, path: str, batch: int, max_new_tokens: int) -> tuple[float, torch.Tensor]:
         self.synchronize()
@@ -269,7 +289,8 @@ def agreement(runner: Runner) -> dict:
     result = {}
     for batch in runner.args.batches:
         tokens = {path: runner.tokens.get((path, batch)) for path in PATHS}
-        pairs = [("flashcore_eager", "flashcore_compiled")] + [("stock_eager", p) for p in PATHS[1:]]
+        pairs = [("flashcore_eager", "flashcore_compiled"), ("flashcore_eager", "flashcore_session")]
+        pairs += [("stock_eager", p) for p in PATHS[1:]]
         for a, b in pairs:
             if tokens[a] is not None and tokens[b] is not None:
                 result[f"B{batch} {a} vs {b}"] = compare(tokens[a], tokens[b])

@@ -1,0 +1,131 @@
+"""``DecodeSession``: flashcore's own decode loop over a patched HF model, one CUDA-graph replay per token.
+
+``model.generate`` re-enters Python, builds masks and position ids, and (compiled) checks guards on every step.
+A session instead owns its :class:`FlashCoreCache` and a few static device buffers (the last token, its RoPE
+position, its cache position); the decode step reads and updates only those, so after one eager warm-up step
+it is captured once as a CUDA graph and every later token is one ``graph.replay()``. Greedy selection (or
+Gumbel-max sampling) happens inside the graph and feeds the next step directly: the only host sync per token is
+the caller reading the sampled ids, if it wants them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashcore.integrations.cache import FlashCoreCache
+from flashcore.integrations.llama import apply_flashcore_to_llama
+
+
+class DecodeSession:
+    """A batch of B sequences whose KV cache and decode step live on the device.
+
+    Args:
+        model: a LLaMA-family ``*ForCausalLM``; it is patched with ``apply_flashcore_to_llama`` if it is not.
+        max_cache_len: tokens per row the session's cache can hold (prompt, every turn and every answer).
+        batch_size: B.
+        use_cuda_graph: capture the decode step as a CUDA graph (default: when the model is on CUDA).
+        temperature: 0 for greedy; otherwise Gumbel-max sampling at this temperature, inside the graph.
+
+    Usage::
+
+        session = DecodeSession(model, max_cache_len=1024)
+        token = session.prefill(input_ids)          # [B] ids of the first new token
+        for _ in range(255):
+            token = session.decode_step()           # [B], a view of the session's buffer
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_cache_len: int,
+        batch_size: int = 1,
+        use_cuda_graph: bool | None = None,
+        temperature: float = 0.0,
+    ) -> None:
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        self.model = apply_flashcore_to_llama(model)
+        device = next(model.parameters()).device
+        self.use_cuda_graph = device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
+        if self.use_cuda_graph and device.type != "cuda":
+            raise ValueError(f"use_cuda_graph=True needs the model on CUDA, it is on {device}")
+        self.temperature = temperature
+        self.cache = FlashCoreCache(
+            model.config, max_cache_len, max_batch_size=batch_size, device=device, dtype=model.dtype
+        )
+        self.token = torch.zeros(batch_size, dtype=torch.long, device=device)
+        # RoPE position of the next token per row (left padding shifts rows), and its cache position (the same
+        # for every row: pads occupy positions too, as in generate).
+        self._position = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self._cache_position = torch.zeros(1, dtype=torch.long, device=device)
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._steps_before_capture = 1  # one eager step warms up kernels, autotuning and allocations
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs the new tokens ``[B, S]`` (left-padded if ``attention_mask`` says so); returns the next ids [B].
+
+        May be called again later to append a turn; the cache keeps everything before it.
+        """
+        batch, length = input_ids.shape
+        if attention_mask is None:
+            positions = self._position + torch.arange(length, device=input_ids.device)
+        else:
+            real = attention_mask.to(torch.long)
+            positions = self._position + (real.cumsum(dim=1) - 1).clamp(min=0)
+        cache_position = self._cache_position + torch.arange(length, device=input_ids.device)
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache_position=cache_position,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        self._position.copy_(positions[:, -1:] + 1)
+        self._cache_position.add_(length)
+        self.token.copy_(self._select(logits))
+        return self.token
+
+    @torch.inference_mode()
+    def decode_step(self) -> torch.Tensor:
+        """Appends ``self.token`` and selects the next one; returns ``self.token`` (overwritten by the next step)."""
+        if not self.use_cuda_graph or self._steps_before_capture > 0:
+            self._steps_before_capture -= 1
+            self._step()
+            return self.token
+        if self._graph is None:
+            torch.cuda.synchronize()
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._step()
+        self._graph.replay()
+        return self.token
+
+    def reset(self) -> None:
+        """Forgets every token; the captured graph stays valid (it reads the same buffers)."""
+        self.cache.reset()
+        self._position.zero_()
+        self._cache_position.zero_()
+
+    def _step(self) -> None:
+        logits = self.model(
+            input_ids=self.token[:, None],
+            position_ids=self._position,
+            cache_position=self._cache_position,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        self.token.copy_(self._select(logits))
+        self._position.add_(1)
+        self._cache_position.add_(1)
+
+    def _select(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.temperature == 0:
+            return logits.argmax(dim=-1)
+        # Gumbel-max: argmax(logits / T + Gumbel noise) samples softmax(logits / T), with no host sync.
+        noise = -torch.log(-torch.log(torch.rand_like(logits, dtype=torch.float32).clamp_(min=1e-20)))
+        return (logits.float() / self.temperature + noise).argmax(dim=-1)

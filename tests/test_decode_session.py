@@ -1,0 +1,59 @@
+"""``DecodeSession``: flashcore's own decode loop (one CUDA-graph replay per token on the GPU) must produce the
+same greedy tokens as stock ``generate`` (sdpa, DynamicCache) on the same model, batch and padding included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ON_GPU
+from test_hf_llama import random_prompts, seed_of, tiny_llama
+
+from flashcore.integrations.decode_session import DecodeSession
+from flashcore.integrations.llama import remove_flashcore
+
+NEW_TOKENS = 12
+
+
+def stock_greedy(model, input_ids, attention_mask, new_tokens):
+    out = model.generate(
+        input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
+    return out[:, input_ids.shape[1] :]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("lengths", [[7], [5, 11, 8]], ids=["one_prompt", "left_padded_batch"])
+def test_session_matches_stock_greedy(backend, lengths, device, generator, request):
+    if backend == "torch" and ON_GPU:
+        pytest.skip("the torch backend syncs on the host, so it cannot be captured in a CUDA graph")
+    model = tiny_llama("gqa", seed_of(request), device)
+    input_ids, attention_mask = random_prompts(lengths, generator, device)
+    expected = stock_greedy(model, input_ids, attention_mask, NEW_TOKENS)
+
+    session = DecodeSession(model, max_cache_len=max(lengths) + NEW_TOKENS, batch_size=len(lengths))
+    model._flashcore_state.backend = backend
+    tokens = [session.prefill(input_ids, attention_mask).clone()]
+    tokens += [session.decode_step().clone() for _ in range(NEW_TOKENS - 1)]
+    remove_flashcore(model)
+
+    assert torch.equal(torch.stack(tokens, dim=1), expected)
+    assert session.use_cuda_graph == ON_GPU and (session._graph is not None) == ON_GPU
+    first_layer = session.cache.get_kv_cache(0)
+    assert first_layer[2].tolist() == [length + NEW_TOKENS - 1 for length in lengths]
+
+
+def test_second_turn_continues_the_cache(device, generator, request):
+    """A second prefill appends a turn: the tokens equal stock greedy over the whole conversation."""
+    model = tiny_llama("mha", seed_of(request), device)
+    first, _ = random_prompts([6], generator, device)
+    second, _ = random_prompts([4], generator, device)
+    session = DecodeSession(model, max_cache_len=40)
+    answer = [session.prefill(first).clone()] + [session.decode_step().clone() for _ in range(4)]
+    # The last selected token was never fed back; the next turn starts with it, then the user's tokens.
+    conversation = torch.cat([first, torch.stack(answer[:-1], dim=1), answer[-1][:, None], second], dim=1)
+    continued = [session.prefill(torch.cat([answer[-1][:, None], second], dim=1)).clone()]
+    continued += [session.decode_step().clone() for _ in range(5)]
+    remove_flashcore(model)
+
+    expected = stock_greedy(model, conversation, torch.ones_like(conversation), 6)
+    assert torch.equal(torch.stack(continued, dim=1), expected)
