@@ -1,9 +1,9 @@
 """The ``torch`` backend: :func:`flashcore.ops.attention_with_kv_cache`'s contract in plain, vectorised PyTorch.
 
-It is the CPU default and a readable statement of the semantics. It never reads a length on the host: every
-step works over all ``S_max`` cache slots with masks, so it also runs inside a CUDA graph (HF's compiled decode
-step) or under ``torch.compile``. The price is work proportional to ``S_max`` rather than to the rows' lengths,
-which is fine for a reference and for CPU-sized caches; the triton backend is the fast one.
+It is the CPU default and a readable statement of the semantics. Every step works over the first ``kv_len``
+cache slots with masks. ``kv_len`` is the longest row after the call, read on the host once, which keeps CPU
+decode proportional to the conversation rather than to ``S_max``; while a CUDA graph is being captured (HF's
+compiled decode step) no host read is allowed, so it is ``S_max`` there. The triton backend is the fast one.
 """
 
 from __future__ import annotations
@@ -30,27 +30,31 @@ def attention_with_kv_cache_torch(
         return torch.empty_like(query)
     new_tokens = query_lens if query_lens is not None else torch.full_like(seq_lens, num_new)
     cached = seq_lens.clamp(0, capacity)  # as the kernel does, should check=False let a bad length through
-    slots = torch.arange(capacity, device=query.device)
+    ends = (cached + new_tokens).clamp(max=capacity)
+    is_capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+    kv_len = capacity if is_capturing else int(ends.max())
+    slots = torch.arange(kv_len, device=query.device)
     new_offsets = torch.arange(num_new, device=query.device)
     is_new_token = new_offsets[None, :] < new_tokens[:, None]  # [B, S_q]
 
     # -- append: slot p of row b takes new token p - L_b when that is one of the row's n_b new tokens --
-    source = slots[None, :] - cached[:, None]  # [B, S_max]
+    source = slots[None, :] - cached[:, None]  # [B, kv_len]
     is_new_slot = ((source >= 0) & (source < new_tokens[:, None]))[:, None, :, None]
-    gather_index = source.clamp(0, num_new - 1)[:, None, :, None].expand(batch, num_kv_heads, capacity, head_dim)
-    k_cache.copy_(torch.where(is_new_slot, key.gather(2, gather_index), k_cache))
-    v_cache.copy_(torch.where(is_new_slot, value.gather(2, gather_index), v_cache))
+    gather_index = source.clamp(0, num_new - 1)[:, None, :, None].expand(batch, num_kv_heads, kv_len, head_dim)
+    k_prefix, v_prefix = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+    k_prefix.copy_(torch.where(is_new_slot, key.gather(2, gather_index), k_prefix))
+    v_prefix.copy_(torch.where(is_new_slot, value.gather(2, gather_index), v_prefix))
 
     # -- attend over the written slots; garbage is zeroed before it can meet a 0 * NaN --
     compute_dtype = torch.promote_types(query.dtype, torch.float32)
-    is_written = slots[None, :] < (cached + new_tokens).clamp(max=capacity)[:, None]  # [B, S_max]
+    is_written = slots[None, :] < ends[:, None]  # [B, kv_len]
     group = num_q_heads // num_kv_heads
-    keys = torch.where(is_written[:, None, :, None], k_cache, 0).to(compute_dtype).repeat_interleave(group, dim=1)
-    values = torch.where(is_written[:, None, :, None], v_cache, 0).to(compute_dtype).repeat_interleave(group, dim=1)
+    keys = torch.where(is_written[:, None, :, None], k_prefix, 0).to(compute_dtype).repeat_interleave(group, dim=1)
+    values = torch.where(is_written[:, None, :, None], v_prefix, 0).to(compute_dtype).repeat_interleave(group, dim=1)
 
-    scores = torch.matmul(query.to(compute_dtype), keys.transpose(-1, -2)) * scale  # [B, H_q, S_q, S_max]
+    scores = torch.matmul(query.to(compute_dtype), keys.transpose(-1, -2)) * scale  # [B, H_q, S_q, kv_len]
     query_positions = (cached[:, None] + new_offsets[None, :])[:, :, None]  # [B, S_q, 1]
-    is_visible = is_written[:, None, :].expand(batch, num_new, capacity)
+    is_visible = is_written[:, None, :].expand(batch, num_new, kv_len)
     if is_causal:
         is_visible = is_visible & (slots[None, None, :] <= query_positions)
     if sliding_window:
