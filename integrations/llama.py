@@ -196,6 +196,15 @@ def _make_prepare_cache_for_generation(model, state: _FlashCoreState):
         passed = model_kwargs.get("past_key_values")
         if passed is not None and not isinstance(passed, FlashCoreCache):
             raise TypeError(_WRONG_CACHE.format(type(passed).__name__))
+        # Checked here, once, because generate may compile the decode step, and a compiled step cannot read
+        # lengths on the host: a per-step check there would be skipped and the overflow silently dropped.
+        if passed is not None and max_cache_length > passed.max_cache_len:
+            raise ValueError(
+                f"FlashCoreCache is too small for this generate call: the conversation plus max_new_tokens needs "
+                f"{max_cache_length} tokens per row (pads included) but the cache has max_cache_len="
+                f"{passed.max_cache_len}. Nothing was written. Build it with FlashCoreCache(model.config, "
+                f"max_cache_len={max_cache_length}) or larger, or lower max_new_tokens."
+            )
         prepare_cache_for_generation(
             model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )

@@ -77,6 +77,9 @@ def seed_of(request) -> int:
 @pytest.fixture(params=["gqa", "mha"])
 def model(request, device):
     model = tiny_llama(request.param, seed_of(request), device)
+    # On CUDA, generate compiles the decode step into CUDA graphs, whose replays bypass the Python-level launch
+    # counters these tests read; the compiled path has its own test (test_auto_compile_matches_eager_on_gpu).
+    model.generation_config.disable_compile = True
     yield model
     remove_flashcore(model)
 
@@ -350,7 +353,12 @@ def test_generate_auto_compile_matches_stock(model, generator, device):
     counters = _counting_graphs()
     for _ in range(2):
         out = model.generate(
-            input_ids, attention_mask=attention_mask, max_new_tokens=6, do_sample=False, compile_config=compile_config
+            input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=6,
+            do_sample=False,
+            compile_config=compile_config,
+            disable_compile=False,  # the fixture turns compile off for the other tests
         )
         assert torch.equal(out, expected)
     assert counters["stats"]["unique_graphs"] == 1
@@ -509,3 +517,23 @@ def test_smollm2_left_padded_batch_matches_stock(smollm2, backend, max_new_token
     finally:
         remove_flashcore(model)
     assert torch.equal(out, expected), tokenizer.batch_decode(torch.cat([out, expected]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or TEST_DEVICE != "cuda", reason="HF compiles the step on CUDA only")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_auto_compile_matches_eager_on_gpu(backend, generator, request):
+    """generate's own compile of the decode step (inductor + CUDA graphs) gives eager's tokens. fp32, so that
+    inductor's fused rounding cannot flip a near-tied argmax (in bf16 stock transformers diverges too)."""
+    model = tiny_llama("gqa", seed_of(request), "cuda")
+    apply_flashcore_to_llama(model, backend=backend)
+    prompts, mask = random_prompts([9, 5], generator, "cuda")
+    outputs = {}
+    for mode in ("eager", "compiled"):
+        cache = FlashCoreCache(model.config, max_cache_len=9 + 24)
+        outputs[mode] = model.generate(
+            prompts, attention_mask=mask, past_key_values=cache, max_new_tokens=24, do_sample=False,
+            disable_compile=(mode == "eager"),
+        )  # fmt: skip
+    remove_flashcore(model)
+    assert torch.equal(outputs["eager"], outputs["compiled"])
