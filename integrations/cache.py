@@ -63,7 +63,7 @@ class FlashCoreLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, check_capacity: bool = True, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Allocates on first use, refuses a step that could overflow, and returns ``(key_states, value_states)``.
 
@@ -72,10 +72,10 @@ class FlashCoreLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        # One host read per layer and step, like the op's own value check (which the attention function then
-        # skips). Left out of compiled graphs and CUDA-graph capture (no host sync allowed there), where the
-        # kernel still never writes past capacity.
-        if not _is_capturing_or_tracing():
+        # One host read, like the op's own value check (which the attention function then skips). Left out of
+        # compiled graphs and CUDA-graph capture (no host sync allowed there), where generate has checked the
+        # whole call up front and the kernel still never writes past capacity.
+        if check_capacity and not _is_capturing_or_tracing():
             self._check_capacity(key_states.shape[2])
         return key_states, value_states
 
@@ -217,7 +217,9 @@ class FlashCoreCache(Cache):
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             self._check_first_update(layer_idx, key_states)
-        return layer.update(key_states, value_states)
+        # Every layer holds the same lengths and layer 0 runs first, so checking it alone refuses an overflowing
+        # forward before any layer has written, with one host read per step instead of one per layer.
+        return layer.update(key_states, value_states, check_capacity=layer_idx == 0)
 
     def _check_first_update(self, layer_idx: int, key_states: torch.Tensor) -> None:
         expected_device = self._devices[layer_idx]
