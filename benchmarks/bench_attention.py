@@ -466,6 +466,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mem-limit-gb", type=float, default=60.0, help="skip rows whose caches need more")
     parser.add_argument("--time-budget-s", type=float, default=330.0, help="skip the remaining rows after this")
     parser.add_argument("--no-graphs", action="store_true", help="skip CUDA-graph timing")
+    parser.add_argument(
+        "--l2-flush", choices=("read", "write"), default="read", help="flush L2 by reading (default) or zeroing"
+    )
     parser.add_argument("--no-host-timing", action="store_true", help="skip the host-time measurement")
     parser.add_argument("--no-dobench", action="store_true", help="skip the triton do_bench SDPA cross-check")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU: checks the script only")
@@ -514,7 +517,11 @@ def main(argv=None) -> dict:
                 payload["ceilings"][measure_ceiling.__name__ + "_error"] = repr(error)
         harness.log(f"ceilings: {payload['ceilings']}")
     timer = harness.make_timer(
-        device, eager_iters=args.eager_iters, graph_replays=args.graph_replays, host_samples=args.host_samples
+        device,
+        eager_iters=args.eager_iters,
+        graph_replays=args.graph_replays,
+        host_samples=args.host_samples,
+        l2_flush=args.l2_flush,
     )
     ctx = Context(args, device, timer, payload["ceilings"], started + args.time_budget_s)
     planned = plan_rows(ctx)

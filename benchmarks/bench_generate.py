@@ -12,7 +12,9 @@ B in {1, 16}. Four paths, each warmed up with one full generate (compilation hap
 - ``flashcore_compiled``: the same, letting generate compile the decode step (FlashCoreCache is compileable);
 - ``flashcore_session``: flashcore's own loop, :class:`flashcore.integrations.decode_session.DecodeSession`,
   over the same patched model: prefill, then each token one CUDA-graph replay (greedy inside the graph); the
-  tokens are gathered on the device, so no step waits on the host.
+  tokens are gathered on the device, so no step waits on the host;
+- ``flashcore_session_compiled``: the same loop with ``DecodeSession(compile=True)``: the captured step is a
+  ``torch.compile``d forward (inductor fuses the norms, RoPE and elementwise ops between the GEMMs).
 
 Reported per row: tok/s = B * 256 / generate time, ms per step = time / 256 (issue 5's definition, prefill
 included), the decode-only ms per step (time minus a 1-token generate, over 255), and model-bandwidth
@@ -35,7 +37,14 @@ import time
 import harness
 import torch
 
-PATHS = ("stock_eager", "flashcore_eager", "flashcore_compiled", "flashcore_session", "stock_static_compiled")
+PATHS = (
+    "stock_eager",
+    "flashcore_eager",
+    "flashcore_compiled",
+    "flashcore_session",
+    "flashcore_session_compiled",
+    "stock_static_compiled",
+)
 KV_ELEM_BYTES = 2  # bf16
 
 
@@ -144,7 +153,7 @@ class Runner:
         }
         self.tokens: dict[tuple[str, int], torch.Tensor] = {}
         self.caches: dict[tuple[str, int], object] = {}
-        self.sessions: dict[int, object] = {}
+        self.sessions: dict[tuple[int, bool], object] = {}
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -199,20 +208,21 @@ class Runner:
         if path == "stock_static_compiled":
             return self.stock_model.generate(**kwargs, cache_implementation="static")
         model = self.flashcore()
-        if path == "flashcore_session":
-            return self.session_generate(model, ids, max_new_tokens)
+        if path.startswith("flashcore_session"):
+            return self.session_generate(model, ids, max_new_tokens, compile=path.endswith("compiled"))
         cache = self.flashcore_cache(path, batch)
         return model.generate(**kwargs, past_key_values=cache, disable_compile=(path == "flashcore_eager"))
 
-    def session_generate(self, model, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """One DecodeSession per batch size, reset between generates: its captured graph is reused."""
+    def session_generate(self, model, ids: torch.Tensor, max_new_tokens: int, *, compile: bool) -> torch.Tensor:
+        """One DecodeSession per (batch size, compile), reset between generates: its captured graph is reused."""
         from flashcore.integrations.decode_session import DecodeSession
 
         batch = ids.shape[0]
-        if batch not in self.sessions:
+        key = (batch, compile)
+        if key not in self.sessions:
             max_cache_len = self.args.prompt_len + self.args.new_tokens
-            self.sessions[batch] = DecodeSession(model, max_cache_len=max_cache_len, batch_size=batch)
-        session = self.sessions[batch]
+            self.sessions[key] = DecodeSession(model, max_cache_len=max_cache_len, batch_size=batch, compile=compile)
+        session = self.sessions[key]
         session.reset()
         tokens = [session.prefill(ids).clone()]
         tokens += [session.decode_step().clone() for _ in range(max_new_tokens - 1)]
@@ -289,7 +299,7 @@ def agreement(runner: Runner) -> dict:
     result = {}
     for batch in runner.args.batches:
         tokens = {path: runner.tokens.get((path, batch)) for path in PATHS}
-        pairs = [("flashcore_eager", "flashcore_compiled"), ("flashcore_eager", "flashcore_session")]
+        pairs = [("flashcore_eager", p) for p in PATHS if p.startswith("flashcore_") and p != "flashcore_eager"]
         pairs += [("stock_eager", p) for p in PATHS[1:]]
         for a, b in pairs:
             if tokens[a] is not None and tokens[b] is not None:

@@ -3,10 +3,14 @@
 Every flashcore call appends to its cache and advances ``seq_lens`` in place, so it cannot be handed to
 ``triton.testing.do_bench`` as is: do_bench's warm-up and repeats (thousands of calls for a 10 µs kernel), and
 do_bench_cudagraph's graph of thousands of unrolled calls, would time a cache that grows by thousands of tokens
-and, with ``check=False``, runs past its capacity. :class:`CudaTimer` therefore repeats do_bench's method (zero
-a 256 MB buffer to flush the 50 MB L2, CUDA events around the call, median over many calls) and adds one step,
+and, with ``check=False``, runs past its capacity. :class:`CudaTimer` therefore repeats do_bench's method (flush
+the 50 MB L2 through a 256 MB buffer, CUDA events around the call, median over many calls) and adds one step,
 outside the events: ``reset()``, which puts ``seq_lens`` back, so every timed call sees exactly the same
 cache. The stateless SDPA side is also timed with do_bench itself, as a check on this harness.
+
+The flush *reads* the buffer by default. do_bench zeroes it, which leaves L2 full of dirty lines: their
+write-back to HBM then happens inside the next timed call and is charged to it (``--l2-flush write`` keeps
+do_bench's way, for comparison; benchmarks/NOTES.md has both).
 
 The benchmark scripts import this file as a sibling module (``python benchmarks/bench_*.py`` puts
 ``benchmarks/`` on ``sys.path``).
@@ -157,21 +161,30 @@ def compare(out: torch.Tensor, ref: torch.Tensor, *, atol: float, rtol: float) -
 class CudaTimer:
     """do_bench's method plus a state reset outside the timed region (see the module docstring)."""
 
-    def __init__(self, device: torch.device, *, eager_iters: int, graph_replays: int, host_samples: int):
+    def __init__(
+        self, device: torch.device, *, eager_iters: int, graph_replays: int, host_samples: int, l2_flush: str = "read"
+    ):
+        if l2_flush not in ("read", "write"):
+            raise ValueError(f"l2_flush must be 'read' or 'write', got {l2_flush!r}")
         self.device = device
         self.eager_iters = eager_iters
         self.graph_replays = graph_replays
         self.host_samples = host_samples
-        self._flush_buffer = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+        self.l2_flush = l2_flush
+        self._flush_buffer = torch.zeros(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+        self._flush_sink = torch.zeros((), dtype=torch.int32, device=device)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
     def _before_timed_call(self, reset: Callable[[], None]) -> None:
         reset()
-        # Besides emptying L2, the ~85 µs memset keeps the GPU busy while the host issues the timed call, so
+        # Besides emptying L2, the ~90 µs pass keeps the GPU busy while the host issues the timed call, so
         # the events measure device time, as do_bench does; host cost is measured separately (host_us).
-        self._flush_buffer.zero_()
+        if self.l2_flush == "read":
+            torch.amax(self._flush_buffer, dim=0, out=self._flush_sink)
+        else:
+            self._flush_buffer.zero_()
 
     def eager_us(self, call: Callable[[], object], reset: Callable[[], None], warmup: int = 3) -> float:
         """Median device time of one eager call, cold L2, state reset before each call."""
@@ -254,7 +267,7 @@ class CudaTimer:
 class CpuTimer:
     """Wall-clock stand-in used by ``--dry-run``: exercises every code path on a machine without a GPU."""
 
-    def __init__(self, device: torch.device, *, eager_iters: int, graph_replays: int, host_samples: int):
+    def __init__(self, device: torch.device, *, eager_iters: int, graph_replays: int, host_samples: int, **_):
         self.device = device
         self.eager_iters = eager_iters
         self.host_samples = host_samples

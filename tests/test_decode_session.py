@@ -8,7 +8,7 @@ import torch
 from conftest import ON_GPU
 from test_hf_llama import random_prompts, seed_of, tiny_llama
 
-from flashcore.integrations.decode_session import DecodeSession
+from flashcore.integrations.decode_session import DecodeSession, chunked_argmax
 from flashcore.integrations.llama import remove_flashcore
 
 NEW_TOKENS = 12
@@ -55,3 +55,37 @@ def test_second_turn_continues_the_cache(device, generator, request):
 
     expected = stock_greedy(model, conversation, torch.ones_like(conversation), 6)
     assert torch.equal(torch.stack(continued, dim=1), expected)
+
+
+def test_compiled_session_matches_stock_greedy(device, generator, request):
+    """``compile=True`` traces the decode step once (no graph break, no recompile) and, in fp32, gives stock's
+    tokens. On the GPU the Triton kernels run inside the compiled, captured step; the CPU uses the torch backend
+    (the interpreter inside an inductor graph would only be slow)."""
+    from torch._dynamo.utils import counters
+
+    lengths = [5, 9]
+    model = tiny_llama("gqa", seed_of(request), device)
+    input_ids, attention_mask = random_prompts(lengths, generator, device)
+    expected = stock_greedy(model, input_ids, attention_mask, NEW_TOKENS)
+
+    counters.clear()
+    session = DecodeSession(model, max_cache_len=max(lengths) + NEW_TOKENS, batch_size=len(lengths), compile=True)
+    model._flashcore_state.backend = "triton" if ON_GPU else "torch"
+    tokens = [session.prefill(input_ids, attention_mask).clone()]
+    tokens += [session.decode_step().clone() for _ in range(NEW_TOKENS - 1)]
+    remove_flashcore(model)
+
+    assert torch.equal(torch.stack(tokens, dim=1), expected)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152, 1000, 1021, 100])
+def test_chunked_argmax_matches_torch_argmax(vocab, generator):
+    scores = torch.randn(3, vocab, generator=generator)
+    # Ties (first index wins in torch.argmax) inside one chunk and across chunks, and a row of equal values.
+    scores[0, [7, vocab - 1]] = scores[0].max() + 1
+    scores[1, [vocab // 3, vocab // 3 + 1]] = scores[1].max() + 1
+    scores[2] = 0.5
+    for dtype in (torch.float32, torch.bfloat16):
+        typed = scores.to(dtype)
+        assert torch.equal(chunked_argmax(typed), typed.argmax(dim=-1))

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from flashcore.kernels import configs
 from flashcore.kernels.common import _attend_tiles, _load_tile
+from flashcore.kernels.launch import CachedLauncher
 from flashcore.kernels.split_kv import merge_kv_splits
 
 LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
@@ -196,10 +197,13 @@ def _attention_with_kv_cache_kernel(
             tl.atomic_xchg(row_ticket_ptr, 0)
 
 
+_launch_attention = CachedLauncher(_attention_with_kv_cache_kernel)
+
+
 @functools.cache
 def _launch_plan(packed_rows: int, head_dim: int, batch_kv_heads: int, capacity: int, device: torch.device):
     """Config, M blocks and KV splits depend on shapes only, so they are computed once per shape."""
-    config = configs.attention_config(packed_rows, head_dim, batch_kv_heads, device)
+    config = configs.attention_config(packed_rows, head_dim, batch_kv_heads, capacity, device)
     num_m_blocks = triton.cdiv(packed_rows, config.block_m)
     num_splits = configs.num_kv_splits(num_m_blocks * batch_kv_heads, capacity, device)
     return config, num_m_blocks, num_splits
@@ -230,6 +234,30 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) ->
     return buffer
 
 
+_partial_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_partials(rows: int, num_splits: int, head_dim: int, device: torch.device):
+    """Views ``[rows, splits, D]`` (outputs) and ``[rows, splits]`` (LSEs) into the persistent scratch buffer.
+
+    The views are cached per shape: slicing and viewing cost a few microseconds of host time per call, which is
+    most of what an eager decode call is.
+    """
+    buffer = _scratch("partials", rows * num_splits * (head_dim + 1), torch.float32, device)
+    key = (id(buffer), rows, num_splits, head_dim)
+    views = _partial_views.get(key)
+    if views is None:
+        out_numel = rows * num_splits * head_dim
+        views = (
+            buffer[:out_numel].view(rows, num_splits, head_dim),
+            buffer[out_numel : out_numel + rows * num_splits].view(rows, num_splits),
+        )
+        # A buffer allocated during graph capture belongs to that graph alone (see _scratch): not cached.
+        if _scratch_by_key.get(("partials", device)) is buffer:
+            _partial_views[key] = views
+    return views
+
+
 def attention_with_kv_cache_triton(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -253,30 +281,32 @@ def attention_with_kv_cache_triton(
         num_new * group, head_dim, batch * num_kv_heads, capacity, query.device
     )
     if num_splits > 1:
-        rows = batch * num_q_heads * num_new
-        partials = _scratch("partials", rows * num_splits * (head_dim + 1), torch.float32, query.device)
-        partial_out = partials[: rows * num_splits * head_dim].view(rows, num_splits, head_dim)
-        partial_lse = partials[rows * num_splits * head_dim : rows * num_splits * (head_dim + 1)].view(rows, num_splits)
+        partial_out, partial_lse = _split_partials(batch * num_q_heads * num_new, num_splits, head_dim, query.device)
         row_tickets = seq_lens  # unused: the merge launch advances seq_lens
     else:
         partial_out = partial_lse = out  # unused without USE_SPLIT_KV
         row_tickets = _scratch("row_tickets", batch, torch.int32, query.device)
 
-    _attention_with_kv_cache_kernel[(num_m_blocks, batch * num_kv_heads, num_splits)](
-        query, key, value, k_cache, v_cache, seq_lens, query_lens if query_lens is not None else seq_lens,
-        out, partial_out, partial_lse, row_tickets,
-        *query.stride(), *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-        num_kv_heads, num_new, capacity, scale * LOG2_E, sliding_window,
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=configs.head_dim_padded(head_dim),
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        IS_CAUSAL=is_causal,
-        USE_WINDOW=sliding_window > 0,
-        HAS_QUERY_LENS=query_lens is not None,
-        USE_SPLIT_KV=num_splits > 1,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    _launch_attention(
+        (num_m_blocks, batch * num_kv_heads, num_splits),
+        (
+            query, key, value, k_cache, v_cache, seq_lens, query_lens if query_lens is not None else seq_lens,
+            out, partial_out, partial_lse, row_tickets,
+            *query.stride(), *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+            num_kv_heads, num_new, capacity, scale * LOG2_E, sliding_window,
+        ),
+        dict(
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=configs.head_dim_padded(head_dim),
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            IS_CAUSAL=is_causal,
+            USE_WINDOW=sliding_window > 0,
+            HAS_QUERY_LENS=query_lens is not None,
+            USE_SPLIT_KV=num_splits > 1,
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip

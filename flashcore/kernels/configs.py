@@ -18,6 +18,8 @@ INTERPRETER_NUM_SMS = 8
 # One BLOCK_N tile: a shorter split would only add partial writes to the merge.
 MIN_TOKENS_PER_SPLIT = 64
 MAX_KV_SPLITS = 64
+# Decode programs over at most this many cache slots count as short (see attention_config).
+SHORT_PROGRAM_KEYS = 2048
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,9 @@ def head_dim_padded(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def attention_config(packed_rows: int, head_dim: int, batch_kv_heads: int, device: torch.device) -> AttentionConfig:
+def attention_config(
+    packed_rows: int, head_dim: int, batch_kv_heads: int, capacity: int, device: torch.device
+) -> AttentionConfig:
     """Decode-like calls (few packed rows) use one small M tile and stream K/V; prefill uses FA2-size tiles.
 
     ``packed_rows = S_q * group``: the new tokens times the query heads that share one KV head.
@@ -41,10 +45,11 @@ def attention_config(packed_rows: int, head_dim: int, batch_kv_heads: int, devic
     head_dim_pad = head_dim_padded(head_dim)
     if packed_rows <= 64:
         block_m = max(16, triton.next_power_of_2(packed_rows))
-        # With three or more waves of programs, smaller K/V tiles keep more loads in flight per SM
-        # (H100, B64 L1k decode: 99.7 us at BLOCK_N 32 vs 106.5 us at 64; benchmarks/NOTES.md).
-        many_waves = batch_kv_heads >= 3 * num_sms(device)
-        block_n = 32 if many_waves or head_dim_pad > 128 else 64
+        # Three or more waves of short programs: with only ~20 tiles per program, smaller tiles keep more
+        # loads in flight per SM (H100, B64 L1k decode: 103.8 us at BLOCK_N 32 vs 108.7 us at 64). Long
+        # programs lose from it (MHA B32 L4k: 725 vs 710 us). benchmarks/NOTES.md, entry 11.
+        has_short_programs = batch_kv_heads >= 3 * num_sms(device) and capacity <= SHORT_PROGRAM_KEYS
+        block_n = 32 if has_short_programs or head_dim_pad > 128 else 64
         return AttentionConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3)
     if head_dim_pad <= 64:
         return AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)

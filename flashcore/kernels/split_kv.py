@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashcore.kernels.launch import CachedLauncher
+
 
 @triton.jit
 def _merge_kv_splits_kernel(
@@ -54,6 +56,9 @@ def _merge_kv_splits_kernel(
         tl.store(seq_lens_ptr + batch, tl.load(seq_lens_ptr + batch) + row_new)
 
 
+_launch_merge = CachedLauncher(_merge_kv_splits_kernel)
+
+
 def merge_kv_splits(
     partial_out: torch.Tensor,
     partial_lse: torch.Tensor,
@@ -64,12 +69,18 @@ def merge_kv_splits(
     """Writes ``out`` from the partials of :func:`attention_with_kv_cache_triton` and advances ``seq_lens``."""
     batch, num_q_heads, num_new, head_dim = out.shape
     num_splits = partial_out.shape[1]
-    _merge_kv_splits_kernel[(num_q_heads * num_new, batch)](
-        partial_out, partial_lse, out, seq_lens, query_lens if query_lens is not None else seq_lens,
-        num_q_heads * num_new, num_new, num_splits,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HAS_QUERY_LENS=query_lens is not None,
+    _launch_merge(
+        (num_q_heads * num_new, batch, 1),
+        (
+            partial_out, partial_lse, out, seq_lens, query_lens if query_lens is not None else seq_lens,
+            num_q_heads * num_new, num_new, num_splits,
+        ),
+        dict(
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HAS_QUERY_LENS=query_lens is not None,
+        ),
         num_warps=4 if head_dim > 64 else 2,
+        num_stages=3,
     )  # fmt: skip

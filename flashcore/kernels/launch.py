@@ -1,0 +1,86 @@
+"""``CachedLauncher``: launches a ``@triton.jit`` kernel without re-running Triton's argument binder every call.
+
+``kernel[grid](*args)`` re-derives the kernel's specialisation from every argument on every call (dtype and
+16-byte alignment of each pointer, ``== 1`` and ``% 16`` of each integer) before it finds the compiled kernel
+and calls its launcher. On the device machine's host that binder costs about as much as the launch itself
+(H100 host, attention kernel, 46 arguments: 46 us through ``kernel[grid]``, 23 us calling the compiled
+launcher directly; benchmarks/NOTES.md). A decode call is a few microseconds of GPU work, so in eager mode this
+host cost is the call's cost.
+
+The first launch of a signature goes through Triton's JIT (which compiles if needed) and keeps the compiled
+kernel. Later launches with the same signature call its launcher directly. The signature is exact: the grid,
+the launch options, every constexpr, every integer argument's value, and each tensor's dtype, device and
+16-byte alignment, a superset of what Triton specialises on. So a direct launch runs the very kernel the
+JIT would pick. Anything this does not handle takes the JIT path: the interpreter, launch hooks (profilers
+set them), and non-tensor, non-int, non-float arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+MAX_CACHED_SIGNATURES = 4096  # per kernel; a new shape adds one, so only a pathological caller reaches this
+
+
+def _launch_hooks_set() -> bool:
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if runtime is None:  # a triton without knobs: always go through the JIT
+        return True
+    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+
+
+class CachedLauncher:
+    """Call as ``launcher(grid, args, constexprs, num_warps=..., num_stages=...)``.
+
+    ``args`` are the kernel's runtime arguments in signature order (tensors, ints, floats); ``constexprs`` maps
+    every constexpr name to its value.
+    """
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self._constexpr_names = None  # in signature order, read from the kernel on first use
+        self._compiled: dict[tuple, tuple] = {}
+
+    def __call__(self, grid: tuple, args: tuple, constexprs: dict, *, num_warps: int, num_stages: int) -> None:
+        if not args[0].is_cuda or _launch_hooks_set():
+            self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            return
+        key = self._signature(grid, args, constexprs, num_warps, num_stages)
+        entry = self._compiled.get(key)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            self._remember(key, compiled, constexprs)
+            return
+        compiled, constexpr_values = entry
+        stream = torch.cuda.current_stream(args[0].device).cuda_stream
+        compiled.run(
+            grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+            None, None, None,  # launch metadata and enter/exit hooks: none are set (checked above)
+            *args, *constexpr_values,
+        )  # fmt: skip
+
+    def _signature(self, grid, args, constexprs, num_warps, num_stages) -> tuple:
+        key = [grid, num_warps, num_stages, args[0].device.index, *constexprs.values()]
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                key.append((arg.dtype, arg.data_ptr() % 16 == 0))
+            elif isinstance(arg, int):
+                key.append(arg)
+            elif isinstance(arg, float):
+                key.append(float)  # always passed as fp32: the value does not change the kernel
+            else:
+                raise TypeError(f"CachedLauncher handles tensor, int and float arguments, got {type(arg).__name__}")
+        return tuple(key)
+
+    def _remember(self, key: tuple, compiled, constexprs: dict) -> None:
+        if compiled is None or not hasattr(compiled, "run"):
+            return
+        if self._constexpr_names is None:
+            names = [param.name for param in self.kernel.params if param.is_constexpr]
+            if set(names) != set(constexprs):
+                return  # defaults or extra options in play: stay on the JIT path
+            self._constexpr_names = names
+        if len(self._compiled) >= MAX_CACHED_SIGNATURES:
+            self._compiled.clear()
+        self._compiled[key] = (compiled, tuple(constexprs[name] for name in self._constexpr_names))

@@ -1,0 +1,64 @@
+"""``CachedLauncher``: after the first launch of a signature it calls the compiled kernel directly, so its
+signature must separate every call that Triton's JIT would compile differently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TOLERANCES, randn
+from oracle import check_call, make_call_inputs
+
+import flashcore
+from flashcore.kernels.attention import _attention_with_kv_cache_kernel
+from flashcore.kernels.launch import CachedLauncher
+
+
+def test_signature_separates_what_triton_specialises_on():
+    launcher = CachedLauncher(_attention_with_kv_cache_kernel)
+    aligned = torch.zeros(64, dtype=torch.float16)
+
+    def signature(tensor, integer, scale, grid=(1, 1, 1), block=16):
+        return launcher._signature(grid, (tensor, integer, scale), {"BLOCK": block}, 4, 3)
+
+    reference = signature(aligned, 16, 0.5)
+    assert signature(aligned.clone(), 16, 0.25) == reference  # same dtype and alignment; a float's value is data
+    assert signature(aligned[1:], 16, 0.5) != reference  # 2 bytes off: not 16-byte aligned any more
+    assert signature(aligned.float(), 16, 0.5) != reference
+    assert signature(aligned, 17, 0.5) != reference  # % 16 and == 1 are specialised: ints are keyed by value
+    assert signature(aligned, 16, 0.5, grid=(2, 1, 1)) != reference
+    assert signature(aligned, 16, 0.5, block=32) != reference
+
+
+def _misaligned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """The same values in storage that starts one element (2 bytes) past a 16-byte boundary."""
+    storage = torch.empty(tensor.numel() + 1, dtype=tensor.dtype, device=tensor.device)
+    return storage[1:].view(tensor.shape).copy_(tensor)
+
+
+@pytest.mark.parametrize("num_new", [1, 6])
+def test_repeated_calls_alternating_alignment(num_new, device, generator):
+    """The same shapes four times, q/k/v alternately aligned and not. On the GPU the third and fourth calls
+    take the direct launch (one signature each for aligned and misaligned), split-KV path included."""
+    dtype = torch.float16
+    for step in range(4):
+        inputs = make_call_inputs(
+            randn,
+            generator=generator,
+            dtype=dtype,
+            device=device,
+            num_q_heads=4,
+            num_kv_heads=2,
+            num_new=num_new,
+            head_dim=32,
+            capacity=256,
+            seq_lens=[100, 37],
+            query_lens=[num_new, num_new],
+        )
+        if step % 2:
+            inputs.query, inputs.key, inputs.value = (
+                _misaligned_copy(t) for t in (inputs.query, inputs.key, inputs.value)
+            )
+        out, returned = flashcore.attention_with_kv_cache(
+            inputs.query, inputs.key, inputs.value, inputs.cache, backend="triton"
+        )
+        check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=True)
