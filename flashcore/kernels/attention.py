@@ -203,7 +203,7 @@ _launch_attention = CachedLauncher(_attention_with_kv_cache_kernel)
 @functools.cache
 def _launch_plan(packed_rows: int, head_dim: int, batch_kv_heads: int, capacity: int, device: torch.device):
     """Config, M blocks and KV splits depend on shapes only, so they are computed once per shape."""
-    config = configs.attention_config(packed_rows, head_dim, batch_kv_heads, capacity, device)
+    config = configs.attention_config(packed_rows, head_dim, batch_kv_heads, device)
     num_m_blocks = triton.cdiv(packed_rows, config.block_m)
     num_splits = configs.num_kv_splits(num_m_blocks * batch_kv_heads, capacity, device)
     return config, num_m_blocks, num_splits

@@ -18,8 +18,6 @@ INTERPRETER_NUM_SMS = 8
 # One BLOCK_N tile: a shorter split would only add partial writes to the merge.
 MIN_TOKENS_PER_SPLIT = 64
 MAX_KV_SPLITS = 64
-# Decode programs over at most this many cache slots count as short (see attention_config).
-SHORT_PROGRAM_KEYS = 2048
 
 
 @dataclass(frozen=True)
@@ -35,9 +33,7 @@ def head_dim_padded(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def attention_config(
-    packed_rows: int, head_dim: int, batch_kv_heads: int, capacity: int, device: torch.device
-) -> AttentionConfig:
+def attention_config(packed_rows: int, head_dim: int, batch_kv_heads: int, device: torch.device) -> AttentionConfig:
     """Decode-like calls (few packed rows) use one small M tile and stream K/V; prefill uses FA2-size tiles.
 
     ``packed_rows = S_q * group``: the new tokens times the query heads that share one KV head.
@@ -45,11 +41,11 @@ def attention_config(
     head_dim_pad = head_dim_padded(head_dim)
     if packed_rows <= 64:
         block_m = max(16, triton.next_power_of_2(packed_rows))
-        # Three or more waves of short programs: with only ~20 tiles per program, smaller tiles keep more
-        # loads in flight per SM (H100, B64 L1k decode: 103.8 us at BLOCK_N 32 vs 108.7 us at 64). Long
-        # programs lose from it (MHA B32 L4k: 725 vs 710 us). benchmarks/NOTES.md, entry 11.
-        has_short_programs = batch_kv_heads >= 3 * num_sms(device) and capacity <= SHORT_PROGRAM_KEYS
-        block_n = 32 if has_short_programs or head_dim_pad > 128 else 64
+        # GQA decode with three or more programs per SM: BLOCK_N 32 beat 64 on the H100 at B64 (L1k: 103.8 vs
+        # 108.7 us; a smaller tile means less shared memory per program, so more programs resident per SM).
+        # MHA lost with it (B32 L4k: 725 vs 710 us), and so did GQA with fewer programs. NOTES.md, entry 14.
+        is_many_gqa_programs = packed_rows > 1 and batch_kv_heads >= 3 * num_sms(device)
+        block_n = 32 if is_many_gqa_programs or head_dim_pad > 128 else 64
         return AttentionConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3)
     if head_dim_pad <= 64:
         return AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
