@@ -18,7 +18,7 @@ def test_signature_separates_what_triton_specialises_on():
     aligned = torch.zeros(64, dtype=torch.float16)
 
     def signature(tensor, integer, scale, grid=(1, 1, 1), block=16):
-        return launcher._signature(grid, (tensor, integer, scale), {"BLOCK": block}, 4, 3)
+        return launcher._signature(grid, (tensor, integer, scale), {"BLOCK": block}, 4, 3, device=0)
 
     reference = signature(aligned, 16, 0.5)
     assert signature(aligned.clone(), 16, 0.25) == reference  # same dtype and alignment; a float's value is data
@@ -27,6 +27,8 @@ def test_signature_separates_what_triton_specialises_on():
     assert signature(aligned, 17, 0.5) != reference  # % 16 and == 1 are specialised: ints are keyed by value
     assert signature(aligned, 16, 0.5, grid=(2, 1, 1)) != reference
     assert signature(aligned, 16, 0.5, block=32) != reference
+    assert launcher._signature((1, 1, 1), (aligned, 16, 0.5), {"BLOCK": 16}, 4, 3, device=1) != reference
+    assert signature(aligned, None, 0.5) is None  # an argument it does not key: left to Triton's JIT
 
 
 def _misaligned_copy(tensor: torch.Tensor) -> torch.Tensor:

@@ -46,22 +46,27 @@ class CachedLauncher:
         if not args[0].is_cuda or _launch_hooks_set():
             self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
-        key = self._signature(grid, args, constexprs, num_warps, num_stages)
-        entry = self._compiled.get(key)
+        # Triton launches on the current device's current stream, whatever device the tensors are on: so does
+        # the direct launch, and the device is part of the signature because the compiled function is per device.
+        device = torch.cuda.current_device()
+        key = self._signature(grid, args, constexprs, num_warps, num_stages, device)
+        entry = self._compiled.get(key) if key is not None else None
         if entry is None:
             compiled = self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-            self._remember(key, compiled, constexprs)
+            if key is not None:
+                self._remember(key, compiled, constexprs)
             return
         compiled, constexpr_values = entry
-        stream = torch.cuda.current_stream(args[0].device).cuda_stream
+        stream = torch.cuda.current_stream(device).cuda_stream
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
             None, None, None,  # launch metadata and enter/exit hooks: none are set (checked above)
             *args, *constexpr_values,
         )  # fmt: skip
 
-    def _signature(self, grid, args, constexprs, num_warps, num_stages) -> tuple:
-        key = [grid, num_warps, num_stages, args[0].device.index, *constexprs.values()]
+    def _signature(self, grid, args, constexprs, num_warps, num_stages, device: int) -> tuple | None:
+        """The launch's signature, or None for an argument type this does not key (the JIT path takes it)."""
+        key = [grid, num_warps, num_stages, device, *constexprs.values()]
         for arg in args:
             if isinstance(arg, torch.Tensor):
                 key.append((arg.dtype, arg.data_ptr() % 16 == 0))
@@ -70,7 +75,7 @@ class CachedLauncher:
             elif isinstance(arg, float):
                 key.append(float)  # always passed as fp32: the value does not change the kernel
             else:
-                raise TypeError(f"CachedLauncher handles tensor, int and float arguments, got {type(arg).__name__}")
+                return None
         return tuple(key)
 
     def _remember(self, key: tuple, compiled, constexprs: dict) -> None:
