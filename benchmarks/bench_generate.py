@@ -2,7 +2,7 @@
 
 A random-weight Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32/8 heads, head_dim 64, intermediate 8192,
 vocab 128256, tied embeddings, llama3 RoPE), bf16, a prompt of 512 random token ids, 256 new tokens, greedy,
-B in {1, 16}. Four paths, each warmed up with one full generate (compilation happens there) and then timed:
+B in {1, 16}. Seven paths, each warmed up with one full generate (compilation happens there) and then timed:
 
 - ``stock_eager``: sdpa attention + DynamicCache, eager (HF's default);
 - ``stock_static_compiled``: ``cache_implementation="static"``; transformers 5.x then compiles the decode step
@@ -14,7 +14,9 @@ B in {1, 16}. Four paths, each warmed up with one full generate (compilation hap
   over the same patched model: prefill, then each token one CUDA-graph replay (greedy inside the graph); the
   tokens are gathered on the device, so no step waits on the host;
 - ``flashcore_session_compiled``: the same loop with ``DecodeSession(compile=True)``: the captured step is a
-  ``torch.compile``d forward (inductor fuses the norms, RoPE and elementwise ops between the GEMMs).
+  ``torch.compile``d forward (inductor fuses the norms, RoPE and elementwise ops between the GEMMs);
+- ``flashcore_session_fused``: ``DecodeSession(compile=True, fuse_projections=True)``: also one GEMM for q/k/v
+  and one for gate/up per layer, on its own copy of the model (the fusion is in place).
 
 Reported per row: tok/s = B * 256 / generate time, ms per step = time / 256 (issue 5's definition, prefill
 included), the decode-only ms per step (time minus a 1-token generate, over 255), and model-bandwidth
@@ -43,8 +45,10 @@ PATHS = (
     "flashcore_compiled",
     "flashcore_session",
     "flashcore_session_compiled",
+    "flashcore_session_fused",
     "stock_static_compiled",
 )
+FUSED_PATH = "flashcore_session_fused"
 KV_ELEM_BYTES = 2  # bf16
 
 
@@ -142,9 +146,14 @@ class Runner:
         self.stock_model = build_model(self.config, device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.stock_model.parameters())
         # Copied before anything is compiled (a compiled model holds a compiled callable that does not deep-copy).
-        has_flashcore_path = any(path.startswith("flashcore") for path in args.paths)
-        self.flashcore_base = copy.deepcopy(self.stock_model) if has_flashcore_path else None
-        self.flashcore_model = None
+        # The fused path gets a copy of its own: fusing the projections changes the model in place.
+        has_flashcore_path = any(path.startswith("flashcore") and path != FUSED_PATH for path in args.paths)
+        self.flashcore_bases = {
+            fused: copy.deepcopy(self.stock_model)
+            for fused, wanted in ((False, has_flashcore_path), (True, FUSED_PATH in args.paths))
+            if wanted
+        }
+        self.flashcore_models: dict[bool, object] = {}
         self.flashcore_error: str | None = None
         generator = torch.Generator().manual_seed(1234)
         self.prompts = {
@@ -153,25 +162,27 @@ class Runner:
         }
         self.tokens: dict[tuple[str, int], torch.Tensor] = {}
         self.caches: dict[tuple[str, int], object] = {}
-        self.sessions: dict[tuple[int, bool], object] = {}
+        self.sessions: dict[tuple[int, int, bool], object] = {}
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def flashcore(self):
-        """The copy of the stock model (same weights) with flashcore applied, on first use."""
-        if self.flashcore_model is None and self.flashcore_error is None:
+    def flashcore(self, *, fused: bool = False):
+        """A copy of the stock model (same weights) with flashcore applied (and its projections fused), on first
+        use."""
+        if fused not in self.flashcore_models and self.flashcore_error is None:
             try:
+                from flashcore.integrations.fused_projections import fuse_projections
                 from flashcore.integrations.llama import apply_flashcore_to_llama
 
-                patched = apply_flashcore_to_llama(self.flashcore_base)
-                self.flashcore_model = patched if patched is not None else self.flashcore_base
+                model = apply_flashcore_to_llama(self.flashcore_bases[fused])
+                self.flashcore_models[fused] = fuse_projections(model) if fused else model
             except Exception as error:  # noqa: BLE001  (recorded on every flashcore row)
                 self.flashcore_error = f"{type(error).__name__}: {error}"
-        if self.flashcore_model is None:
+        if fused not in self.flashcore_models:
             raise RuntimeError(f"flashcore integration unavailable: {self.flashcore_error}")
-        return self.flashcore_model
+        return self.flashcore_models[fused]
 
     def flashcore_cache(self, path: str, batch: int):
         """One FlashCoreCache per (path, batch), reset before each generate: a compiled step keeps its CUDA graph
@@ -207,18 +218,20 @@ class Runner:
             return self.stock_model.generate(**kwargs)
         if path == "stock_static_compiled":
             return self.stock_model.generate(**kwargs, cache_implementation="static")
-        model = self.flashcore()
+        model = self.flashcore(fused=path == FUSED_PATH)
         if path.startswith("flashcore_session"):
-            return self.session_generate(model, ids, max_new_tokens, compile=path.endswith("compiled"))
+            compile = path in ("flashcore_session_compiled", FUSED_PATH)
+            return self.session_generate(model, ids, max_new_tokens, compile=compile)
         cache = self.flashcore_cache(path, batch)
         return model.generate(**kwargs, past_key_values=cache, disable_compile=(path == "flashcore_eager"))
 
     def session_generate(self, model, ids: torch.Tensor, max_new_tokens: int, *, compile: bool) -> torch.Tensor:
-        """One DecodeSession per (batch size, compile), reset between generates: its captured graph is reused."""
+        """One DecodeSession per (model, batch size, compile), reset between generates: its captured graph is
+        reused."""
         from flashcore.integrations.decode_session import DecodeSession
 
         batch = ids.shape[0]
-        key = (batch, compile)
+        key = (id(model), batch, compile)
         if key not in self.sessions:
             max_cache_len = self.args.prompt_len + self.args.new_tokens
             self.sessions[key] = DecodeSession(model, max_cache_len=max_cache_len, batch_size=batch, compile=compile)
@@ -384,7 +397,7 @@ def main(argv=None) -> dict:
             if time.perf_counter() > started + args.time_budget_s:
                 row.update(status="skipped", reason=f"time budget of {args.time_budget_s:.0f}s spent")
             else:
-                if path.endswith("compiled"):
+                if path.endswith("compiled") or path == FUSED_PATH:
                     # Both models compile the same Module.__call__ code, so they share dynamo's cache and its
                     # recompile limit; a new batch size or model recompiles anyway. Start each compiled row empty.
                     torch._dynamo.reset()

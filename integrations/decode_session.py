@@ -10,13 +10,16 @@ the caller reading the sampled ids, if it wants them.
 With ``compile=True`` the captured step is a ``torch.compile``d forward (inductor fuses the norms, RoPE and
 elementwise ops around the GEMMs; flashcore's op stays one opaque call in it). At batch 1 most of an eager step
 is small-kernel latency, not weight streaming, so this is the fast path; its bf16 tokens can differ from eager
-ones where inductor skips an intermediate bf16 rounding (see ``benchmarks/NOTES.md``).
+ones where inductor skips an intermediate bf16 rounding (see ``benchmarks/NOTES.md``). ``fuse_projections=True``
+runs each layer's q/k/v and gate/up projections as one GEMM each (on the H100, cuBLAS gives bitwise the same
+outputs as the separate GEMMs, and the 2 MB k/v GEMVs stop being latency-bound).
 """
 
 from __future__ import annotations
 
 import torch
 
+from flashcore.integrations import fused_projections
 from flashcore.integrations.cache import FlashCoreCache
 from flashcore.integrations.llama import apply_flashcore_to_llama
 
@@ -31,6 +34,9 @@ class DecodeSession:
         use_cuda_graph: capture the decode step as a CUDA graph (default: when the model is on CUDA).
         temperature: 0 for greedy; otherwise Gumbel-max sampling at this temperature, inside the graph.
         compile: run the decode step through ``torch.compile`` (compiled on the first decode step, then captured).
+        fuse_projections: concatenate each layer's q/k/v and gate/up weights into one GEMM each (in place, no
+            extra memory; :func:`~flashcore.integrations.fused_projections.fuse_projections`). Results equal the
+            unfused model's up to the GEMMs' summation order.
 
     Usage::
 
@@ -49,10 +55,13 @@ class DecodeSession:
         use_cuda_graph: bool | None = None,
         temperature: float = 0.0,
         compile: bool = False,
+        fuse_projections: bool = False,
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         self.model = apply_flashcore_to_llama(model)
+        if fuse_projections:
+            fused_projections.fuse_projections(model)
         device = next(model.parameters()).device
         self.use_cuda_graph = device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
         if self.use_cuda_graph and device.type != "cuda":

@@ -57,10 +57,12 @@ def test_second_turn_continues_the_cache(device, generator, request):
     assert torch.equal(torch.stack(continued, dim=1), expected)
 
 
-def test_compiled_session_matches_stock_greedy(device, generator, request):
+@pytest.mark.parametrize("fuse_projections", [False, True], ids=["separate", "fused_projections"])
+def test_compiled_session_matches_stock_greedy(fuse_projections, device, generator, request):
     """``compile=True`` traces the decode step once (no graph break, no recompile) and, in fp32, gives stock's
-    tokens. On the GPU the Triton kernels run inside the compiled, captured step; the CPU uses the torch backend
-    (the interpreter inside an inductor graph would only be slow)."""
+    tokens, with or without the fused q/k/v and gate/up GEMMs. On the GPU the Triton kernels run inside the
+    compiled, captured step; the CPU uses the torch backend (the interpreter inside an inductor graph would only
+    be slow)."""
     from torch._dynamo.utils import counters
 
     lengths = [5, 9]
@@ -69,7 +71,13 @@ def test_compiled_session_matches_stock_greedy(device, generator, request):
     expected = stock_greedy(model, input_ids, attention_mask, NEW_TOKENS)
 
     counters.clear()
-    session = DecodeSession(model, max_cache_len=max(lengths) + NEW_TOKENS, batch_size=len(lengths), compile=True)
+    session = DecodeSession(
+        model,
+        max_cache_len=max(lengths) + NEW_TOKENS,
+        batch_size=len(lengths),
+        compile=True,
+        fuse_projections=fuse_projections,
+    )
     model._flashcore_state.backend = "triton" if ON_GPU else "torch"
     tokens = [session.prefill(input_ids, attention_mask).clone()]
     tokens += [session.decode_step().clone() for _ in range(NEW_TOKENS - 1)]
