@@ -70,7 +70,7 @@ if torch.cuda.is_available():
 else:
     print("NO CUDA DEVICE VISIBLE TO TORCH")
 EOF
-    echo "git commit: $(git rev-parse HEAD 2>/dev/null || echo "${FLASHCORE_GIT_COMMIT:-unknown (no .git here; pass FLASHCORE_GIT_COMMIT=<sha>)}")"
+    echo "git commit: ${FLASHCORE_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo "unknown (no .git here; pass FLASHCORE_GIT_COMMIT=<sha>)")}"
     command -v compute-sanitizer || find /usr/local/cuda*/bin -name compute-sanitizer 2>/dev/null || echo "no compute-sanitizer found"
     install_flashcore
 }

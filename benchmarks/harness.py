@@ -51,11 +51,14 @@ def resolve_out_dir(out: str | None) -> Path:
 
 
 def git_commit() -> str:
-    """HEAD (with "-dirty" if the tree has uncommitted or untracked files), else $FLASHCORE_GIT_COMMIT, else "unknown".
+    """$FLASHCORE_GIT_COMMIT if set, else HEAD (with "-dirty" if the tree has uncommitted or untracked files), else
+    "unknown".
 
-    The device machine receives a copy of the working tree that may have no .git; whoever launches the run there
-    passes the commit in FLASHCORE_GIT_COMMIT."""
-    fallback = os.environ.get("FLASHCORE_GIT_COMMIT") or "unknown"
+    The device machine receives a copy of the working tree whose .git may be missing or stale (an older commit's),
+    so whoever launches the run there passes the commit in FLASHCORE_GIT_COMMIT, and it wins."""
+    if os.environ.get("FLASHCORE_GIT_COMMIT"):
+        return os.environ["FLASHCORE_GIT_COMMIT"]
+    fallback = "unknown"
     try:
         result = subprocess.run(
             ["git", "rev-parse", "HEAD"],
