@@ -6,8 +6,8 @@ q projection (``benchmarks/NOTES.md``, entry 10). Projections that read the same
 their outputs, so each layer launches two GEMMs where it launched five.
 
 The original parameters become views of the concatenated weight: no memory is added, ``model.parameters()`` counts
-the same bytes, and a ``state_dict`` still has every HF name. :func:`unfuse_projections` gives each parameter its own
-storage again (safetensors refuses tensors that share storage, so call it before ``save_pretrained``).
+the same bytes, and a ``state_dict`` (so ``save_pretrained``) still has every HF name. :func:`unfuse_projections`
+gives each parameter its own storage again and restores the class forwards.
 
 Only the two ``forward`` methods change, per instance; the attention forward is transformers' LlamaAttention
 forward (5.17 to 5.23) with the three projections replaced by one and flashcore's attention function called

@@ -116,6 +116,19 @@ def test_unfuse_gives_each_projection_its_storage_back(device, generator, reques
     torch.testing.assert_close(prefill_and_decode_logits(model, input_ids, attention_mask), expected)
 
 
+def test_fused_model_saves_and_reloads(device, request, tmp_path):
+    """The HF parameters are views of the fused weight; save_pretrained must still write each of them."""
+    from transformers import LlamaForCausalLM
+
+    model = fuse_projections(apply_flashcore_to_llama(tiny_llama("gqa", seed_of(request), device), backend="torch"))
+    model.save_pretrained(tmp_path)
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path).to(device)
+    for (name, saved), (reloaded_name, loaded) in zip(
+        model.state_dict().items(), reloaded.state_dict().items(), strict=True
+    ):
+        assert name == reloaded_name and torch.equal(saved, loaded), name
+
+
 def test_fuse_needs_a_patched_model(device, request):
     with pytest.raises(ValueError, match="apply_flashcore_to_llama"):
         fuse_projections(tiny_llama("gqa", seed_of(request), device))
