@@ -35,10 +35,14 @@ def fuse_projections(model: torch.nn.Module) -> torch.nn.Module:
 
     The model must already be patched by ``apply_flashcore_to_llama`` and placed on its device and dtype (the
     concatenated weights are built where the parameters are, and ``model.to()`` afterwards would move only the
-    views' copies). Results equal the unfused model's up to the GEMM's summation order.
+    views' copies). Results equal the unfused model's up to the GEMM's summation order. ``remove_flashcore``
+    also unfuses (the fused forward calls flashcore's attention directly).
     """
-    if "_flashcore_state" not in model.__dict__:
+    state = model.__dict__.get("_flashcore_state")
+    if state is None:
         raise ValueError("fuse_projections needs a model patched by apply_flashcore_to_llama(model) first")
+    if unfuse_projections not in state.undo_on_remove:
+        state.undo_on_remove.append(unfuse_projections)
     for layer in model.base_model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         if "_fused_projection" in attention.__dict__:

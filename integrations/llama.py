@@ -60,6 +60,8 @@ class _FlashCoreState:
     previous_attn_implementation: str | None
     hook_handles: list = field(default_factory=list)
     previous_max_cache_len: int = 0
+    # What later flashcore-only changes (fuse_projections) register to be undone with the patch.
+    undo_on_remove: list = field(default_factory=list)
 
 
 def apply_flashcore_to_llama(model: PreTrainedModel, *, backend: str = "auto") -> PreTrainedModel:
@@ -146,6 +148,8 @@ def remove_flashcore(model: PreTrainedModel) -> PreTrainedModel:
     state = model.__dict__.pop("_flashcore_state", None)
     if state is None:
         return model
+    for undo in state.undo_on_remove:
+        undo(model)
     for handle in state.hook_handles:
         handle.remove()
     model.__dict__.pop("_prepare_cache_for_generation", None)

@@ -13,7 +13,7 @@ from test_hf_llama import PAD_ID, TINY_CONFIGS, VOCAB_SIZE, random_prompts, seed
 
 from flashcore.integrations.cache import FlashCoreCache
 from flashcore.integrations.fused_projections import fuse_projections, unfuse_projections
-from flashcore.integrations.llama import apply_flashcore_to_llama
+from flashcore.integrations.llama import apply_flashcore_to_llama, remove_flashcore
 
 FUSED = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 
@@ -114,6 +114,21 @@ def test_unfuse_gives_each_projection_its_storage_back(device, generator, reques
             pointers = [getattr(module, name).weight.untyped_storage().data_ptr() for name in names]
             assert len(set(pointers)) == len(names)
     torch.testing.assert_close(prefill_and_decode_logits(model, input_ids, attention_mask), expected)
+
+
+def test_remove_flashcore_also_unfuses(device, generator, request):
+    """The fused forward calls flashcore's attention directly, so removing flashcore must remove it too."""
+    model = tiny_llama("gqa", seed_of(request), device)
+    input_ids, attention_mask = random_prompts([6, 4], generator, device)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=5, do_sample=False, pad_token_id=PAD_ID)
+    expected = model.generate(input_ids, **kwargs)
+
+    remove_flashcore(fuse_projections(apply_flashcore_to_llama(model, backend="torch")))
+
+    for layer in model.model.layers:
+        assert "forward" not in layer.self_attn.__dict__ and "forward" not in layer.mlp.__dict__
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(model.generate(input_ids, **kwargs), expected)
 
 
 def test_fused_model_saves_and_reloads(device, request, tmp_path):
