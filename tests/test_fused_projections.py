@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hf_llama import PAD_ID, TINY_CONFIGS, VOCAB_SIZE, random_prompts, seed_of, tiny_llama
+from test_hf_llama import PAD_ID, random_prompts, seed_of, tiny_llama, tiny_same_attention_model
 
 from flashcore.integrations.cache import FlashCoreCache
 from flashcore.integrations.fused_projections import fuse_projections, unfuse_projections
@@ -20,21 +20,7 @@ FUSED = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_p
 
 def tiny_qwen2(seed: int, device):
     """Qwen2: the q/k/v projections have a bias, which is fused too."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        initializer_range=0.1,
-        pad_token_id=PAD_ID,
-        eos_token_id=None,
-        sliding_window=None,
-        attn_implementation="sdpa",
-        **TINY_CONFIGS["gqa"],
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(device).eval()
+    model = tiny_same_attention_model("qwen2", seed, device)
     with torch.no_grad():  # Qwen2 initialises biases to zero; random ones make the fused bias matter
         for layer in model.model.layers:
             for name in FUSED["self_attn"]:

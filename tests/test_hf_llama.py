@@ -419,10 +419,8 @@ def test_refuses_what_it_cannot_run(model, generator, device):
         FlashCoreCache(windowed.config, max_cache_len=8)
 
 
-@pytest.mark.parametrize("architecture", ["qwen2", "mistral"])
-@torch.no_grad()
-def test_same_attention_architectures_match_stock(architecture, request, generator, device):
-    """Qwen2 (q/k/v bias) and Mistral without a window share LLaMA's attention and run patched too."""
+def tiny_same_attention_model(architecture: str, seed: int, device):
+    """A two-layer Qwen2 (q/k/v bias) or Mistral (no window) with the GQA sizes of TINY_CONFIGS."""
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     config_class, model_class = {
@@ -440,8 +438,15 @@ def test_same_attention_architectures_match_stock(architecture, request, generat
         attn_implementation="sdpa",
         **TINY_CONFIGS["gqa"],
     )
-    torch.manual_seed(seed_of(request))
-    model = model_class(config).to(device).eval()
+    torch.manual_seed(seed)
+    return model_class(config).to(device).eval()
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "mistral"])
+@torch.no_grad()
+def test_same_attention_architectures_match_stock(architecture, request, generator, device):
+    """Qwen2 (q/k/v bias) and Mistral without a window share LLaMA's attention and run patched too."""
+    model = tiny_same_attention_model(architecture, seed_of(request), device)
     input_ids, attention_mask = random_prompts([8, 4], generator, device)
     expected = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False)
     apply_flashcore_to_llama(model, backend="torch")
