@@ -312,7 +312,7 @@ def planned_kv_splits(ctx: Context, group: int, batch: int, num_kv_heads: int, s
     try:
         from flashcore.kernels.attention import _launch_plan
 
-        return _launch_plan(group, head_dim, batch * num_kv_heads, s_max, ctx.device)[2]
+        return _launch_plan(group, head_dim, batch * num_kv_heads, s_max, ctx.device).num_splits
     except Exception:  # noqa: BLE001
         return None
 

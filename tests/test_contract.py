@@ -22,6 +22,24 @@ import flashcore.kernels.attention as triton_attention
 import flashcore.ops
 
 BACKENDS = ["torch", "triton"]
+# The triton backend merges a split prefix either in the attention launch (eager) or in a second launch
+# (under CUDA-graph capture); the split-KV tests force each placement so that both run on every device.
+SPLIT_MERGE_CASES = [
+    pytest.param("torch", None, id="torch"),
+    pytest.param("triton", True, id="triton-merge_in_launch"),
+    pytest.param("triton", False, id="triton-merge_second_launch"),
+]
+
+
+@pytest.fixture
+def split_merge_placement(monkeypatch):
+    """Call with True/False to force where the triton backend merges split partials (None: leave the policy)."""
+
+    def force(merges_in_launch: bool | None) -> None:
+        if merges_in_launch is not None:
+            monkeypatch.setattr(triton_attention, "merges_in_attention_launch", lambda device: merges_in_launch)
+
+    return force
 
 
 def _sdpa_fp64(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool):
@@ -193,14 +211,17 @@ def test_long_prefill(backend, head_dim, is_causal, sliding_window, device, gene
     check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=is_causal, sliding_window=sliding_window)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("backend", "merges_in_launch"), SPLIT_MERGE_CASES)
 @pytest.mark.parametrize("num_new", [1, 4])
 @pytest.mark.parametrize("is_causal", [True, False])
 @pytest.mark.parametrize("sliding_window", [None, 100])
-def test_long_cache_few_rows(backend, num_new, is_causal, sliding_window, device, generator):
+def test_long_cache_few_rows(
+    backend, merges_in_launch, num_new, is_causal, sliding_window, split_merge_placement, device, generator
+):
     """S_max 1024 with B * H_kv = 3: the shape for which the triton backend splits the cached prefix across
     programs (flash-decoding) and merges the parts; a long row, a short row with empty splits, and a row
     with no new tokens."""
+    split_merge_placement(merges_in_launch)
     dtype = DTYPES[0]
     capacity = 1024
     long_len = int(torch.randint(600, capacity - num_new + 1, (1,), generator=generator))
@@ -220,6 +241,32 @@ def test_long_cache_few_rows(backend, num_new, is_causal, sliding_window, device
     )
     out, returned = _call_with_query_lens(inputs, is_causal=is_causal, sliding_window=sliding_window, backend=backend)
     check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=is_causal, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize(("backend", "merges_in_launch"), SPLIT_MERGE_CASES)
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_chunk_on_long_cache_one_row(backend, merges_in_launch, is_causal, split_merge_placement, device, generator):
+    """40 new tokens over a long cache in a single row: on the triton backend two M tiles of packed rows, each
+    split over the prefix; merged in the launch, each tile's rows are combined in several steps (MERGE_ROWS)."""
+    split_merge_placement(merges_in_launch)
+    dtype = DTYPES[0]
+    capacity = 1024
+    seq_len = int(torch.randint(500, capacity - 40 + 1, (1,), generator=generator))
+    inputs = make_call_inputs(
+        randn,
+        generator=generator,
+        dtype=dtype,
+        device=device,
+        num_q_heads=4,
+        num_kv_heads=1,
+        num_new=40,
+        head_dim=64,
+        capacity=capacity,
+        seq_lens=[seq_len],
+        query_lens=[40],
+    )
+    out, returned = _call_with_query_lens(inputs, is_causal=is_causal, sliding_window=None, backend=backend)
+    check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=is_causal, sliding_window=None)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -13,6 +13,7 @@ is loaded once per KV head rather than once per query head.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -21,7 +22,7 @@ import triton.language as tl
 from flashcore.kernels import configs
 from flashcore.kernels.common import _attend_tiles, _load_tile
 from flashcore.kernels.launch import CachedLauncher
-from flashcore.kernels.split_kv import merge_kv_splits
+from flashcore.kernels.split_kv import _merge_kv_splits, merge_kv_splits
 
 LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
 
@@ -38,7 +39,8 @@ def _attention_with_kv_cache_kernel(
     out_ptr,  # [B, H_q, S_q, D], contiguous
     partial_out_ptr,  # USE_SPLIT_KV only: [B * H_q * S_q, splits, D] fp32 normalised partial outputs
     partial_lse_ptr,  # USE_SPLIT_KV only: [B * H_q * S_q, splits] fp32 log2-sum-exp of each partial
-    row_tickets_ptr,  # [B] int32, zero between calls: without USE_SPLIT_KV, the last program of a row resets it
+    row_tickets_ptr,  # [B] int32, zero between calls: the last tile of a row to finish resets it
+    tile_tickets_ptr,  # USE_LAST_SPLIT_MERGE only: [B * H_kv * M blocks] int32, zero between calls (reset alike)
     stride_q_b,
     stride_q_h,
     stride_q_s,
@@ -73,6 +75,9 @@ def _attention_with_kv_cache_kernel(
     USE_WINDOW: tl.constexpr,
     HAS_QUERY_LENS: tl.constexpr,
     USE_SPLIT_KV: tl.constexpr,
+    USE_LAST_SPLIT_MERGE: tl.constexpr,  # with USE_SPLIT_KV: the tile's last split merges (else a second launch)
+    SPLITS_PAD: tl.constexpr,  # USE_LAST_SPLIT_MERGE only: next power of two >= the number of splits
+    MERGE_ROWS: tl.constexpr,  # USE_LAST_SPLIT_MERGE only: packed rows merged per step (bounds its registers)
     DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM_PAD >= 16, "tl.dot needs tiles >= 16")
@@ -182,22 +187,62 @@ def _attention_with_kv_cache_kernel(
     row_index = (batch * num_kv_heads * GROUP + head) * num_new + token  # flat (batch, q head, token)
     out_ptrs = out_ptr + row_index[:, None] * HEAD_DIM + offs_d[None, :]
     if USE_SPLIT_KV:
-        # The merge launch that follows writes out and advances seq_lens.
         partial_rows = row_index * num_splits + split
         tl.store(partial_out_ptr + partial_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_out)
         lse = tl.where(has_keys, m_i + tl.math.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(partial_lse_ptr + partial_rows, lse, mask=is_row_in_grid)
+        if USE_LAST_SPLIT_MERGE:
+            # -- merge: the last split of the tile to finish combines all of them --
+            # The barrier puts every warp's partial stores before the ticket, whose release then publishes
+            # them; the last taker's acquire makes all splits' partials visible to its loads.
+            tl.debug_barrier()
+            tile_ticket_ptr = tile_tickets_ptr + pid_bh * num_m_blocks + pid_m
+            if tl.atomic_add(tile_ticket_ptr, 1, sem="acq_rel") == num_splits - 1:
+                tl.atomic_xchg(tile_ticket_ptr, 0)
+                packed_rows_in_grid = num_new * GROUP
+                merge_end = tl.minimum(pid_m * BLOCK_M + BLOCK_M, packed_rows_in_grid)
+                for merge_start in range(pid_m * BLOCK_M, merge_end, MERGE_ROWS):
+                    offs_merge = merge_start + tl.arange(0, MERGE_ROWS)
+                    merge_token = offs_merge // GROUP
+                    merge_head = kv_head * GROUP + offs_merge % GROUP
+                    merge_rows = (batch * num_kv_heads * GROUP + merge_head) * num_new + merge_token
+                    _merge_kv_splits(
+                        partial_out_ptr, partial_lse_ptr, out_ptr, merge_rows, offs_merge < packed_rows_in_grid,
+                        num_splits, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD,
+                    )  # fmt: skip
+                _advance_seq_lens_after_last_tile(
+                    seq_lens_ptr, row_tickets_ptr, batch, seq_len_before + row_new, num_m_blocks * num_kv_heads
+                )
+        # Otherwise the merge launch that follows writes out and advances seq_lens.
     else:
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_out)
-        # -- advance seq_lens, once every program of the row has read it --
-        # acq_rel orders each program's read of seq_lens before its ticket, so the last taker may write.
-        row_ticket_ptr = row_tickets_ptr + batch
-        if tl.atomic_add(row_ticket_ptr, 1, sem="acq_rel") == num_m_blocks * num_kv_heads - 1:
-            tl.store(seq_lens_ptr + batch, seq_len_before + row_new)
-            tl.atomic_xchg(row_ticket_ptr, 0)
+        _advance_seq_lens_after_last_tile(
+            seq_lens_ptr, row_tickets_ptr, batch, seq_len_before + row_new, num_m_blocks * num_kv_heads
+        )
+
+
+@triton.jit
+def _advance_seq_lens_after_last_tile(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_tiles):
+    """Writes ``seq_lens[batch]`` once every tile of the row has finished with it (read it, and merged).
+
+    acq_rel orders each tile's reads of seq_lens before its ticket, so the last taker may write.
+    """
+    row_ticket_ptr = row_tickets_ptr + batch
+    if tl.atomic_add(row_ticket_ptr, 1, sem="acq_rel") == num_tiles - 1:
+        tl.store(seq_lens_ptr + batch, new_seq_len)
+        tl.atomic_xchg(row_ticket_ptr, 0)
 
 
 _launch_attention = CachedLauncher(_attention_with_kv_cache_kernel)
+
+
+@dataclass(frozen=True)
+class _LaunchPlan:
+    config: configs.AttentionConfig
+    num_m_blocks: int
+    num_splits: int
+    splits_pad: int  # SPLITS_PAD
+    merge_rows: int  # MERGE_ROWS
 
 
 @functools.cache
@@ -206,7 +251,9 @@ def _launch_plan(packed_rows: int, head_dim: int, batch_kv_heads: int, capacity:
     config = configs.attention_config(packed_rows, head_dim, batch_kv_heads, device)
     num_m_blocks = triton.cdiv(packed_rows, config.block_m)
     num_splits = configs.num_kv_splits(num_m_blocks * batch_kv_heads, capacity, device)
-    return config, num_m_blocks, num_splits
+    splits_pad = triton.next_power_of_2(num_splits)
+    merge_rows = configs.merge_rows(packed_rows, config.block_m, splits_pad, configs.head_dim_padded(head_dim))
+    return _LaunchPlan(config, num_m_blocks, num_splits, splits_pad, merge_rows)
 
 
 _scratch_by_key: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -220,7 +267,8 @@ def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) ->
     the same time (two streams running flashcore at once on one device are not supported). Buffers are
     never freed, because a captured CUDA graph may still hold their address. A buffer first needed while a
     graph is being captured is allocated for that graph only (its zeroing becomes a node of the graph).
-    ``"row_tickets"`` is allocated zeroed, and every launch leaves it zeroed.
+    The ticket buffers (``"row_tickets"``, ``"tile_tickets"``) are allocated zeroed, and every launch leaves
+    them zeroed.
     """
     buffer = _scratch_by_key.get((name, device))
     if buffer is not None and buffer.numel() >= numel:
@@ -258,6 +306,13 @@ def _split_partials(rows: int, num_splits: int, head_dim: int, device: torch.dev
     return views
 
 
+def merges_in_attention_launch(device: torch.device) -> bool:
+    """Where a split prefix is merged: in the attention launch when running eagerly, where a second launch's
+    host cost dominates; in a second launch while a CUDA graph is captured, because replay has no host cost and
+    the separate merge is 1-3 us faster on the H100 (benchmarks/NOTES.md, entry 20)."""
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
 def attention_with_kv_cache_triton(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -270,28 +325,33 @@ def attention_with_kv_cache_triton(
     scale: float,
     sliding_window: int,
 ) -> torch.Tensor:
-    """One launch (append, attention, seq_lens update), plus the merge launch when the prefix is split."""
+    """One launch (append, attention, split merge, seq_lens update); a split prefix merged in a second launch
+    under graph capture (:func:`merges_in_attention_launch`)."""
     batch, num_q_heads, num_new, head_dim = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if batch == 0 or num_new == 0:
         return out
-    config, num_m_blocks, num_splits = _launch_plan(
-        num_new * group, head_dim, batch * num_kv_heads, capacity, query.device
-    )
+    plan = _launch_plan(num_new * group, head_dim, batch * num_kv_heads, capacity, query.device)
+    config, num_m_blocks, num_splits = plan.config, plan.num_m_blocks, plan.num_splits
+    row_tickets = _scratch("row_tickets", batch, torch.int32, query.device)
+    use_last_split_merge = False
     if num_splits > 1:
         partial_out, partial_lse = _split_partials(batch * num_q_heads * num_new, num_splits, head_dim, query.device)
-        row_tickets = seq_lens  # unused: the merge launch advances seq_lens
+        use_last_split_merge = merges_in_attention_launch(query.device)
     else:
         partial_out = partial_lse = out  # unused without USE_SPLIT_KV
-        row_tickets = _scratch("row_tickets", batch, torch.int32, query.device)
+    if use_last_split_merge:
+        tile_tickets = _scratch("tile_tickets", num_m_blocks * batch * num_kv_heads, torch.int32, query.device)
+    else:
+        tile_tickets = row_tickets  # unused
 
     _launch_attention(
         (num_m_blocks, batch * num_kv_heads, num_splits),
         (
             query, key, value, k_cache, v_cache, seq_lens, query_lens if query_lens is not None else seq_lens,
-            out, partial_out, partial_lse, row_tickets,
+            out, partial_out, partial_lse, row_tickets, tile_tickets,
             *query.stride(), *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
             num_kv_heads, num_new, capacity, scale * LOG2_E, sliding_window,
         ),
@@ -305,11 +365,14 @@ def attention_with_kv_cache_triton(
             USE_WINDOW=sliding_window > 0,
             HAS_QUERY_LENS=query_lens is not None,
             USE_SPLIT_KV=num_splits > 1,
+            USE_LAST_SPLIT_MERGE=use_last_split_merge,
+            SPLITS_PAD=plan.splits_pad,
+            MERGE_ROWS=plan.merge_rows,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not use_last_split_merge:
         merge_kv_splits(partial_out, partial_lse, out, seq_lens, query_lens)
     return out

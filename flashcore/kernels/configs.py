@@ -18,6 +18,8 @@ INTERPRETER_NUM_SMS = 8
 # One BLOCK_N tile: a shorter split would only add partial writes to the merge.
 MIN_TOKENS_PER_SPLIT = 64
 MAX_KV_SPLITS = 64
+# fp32 elements of partial outputs one merge step holds: 64 registers per thread at 4 warps.
+MERGE_TILE_ELEMENTS = 8192
 
 
 @dataclass(frozen=True)
@@ -75,3 +77,11 @@ def num_kv_splits(num_programs: int, capacity: int, device: torch.device) -> int
     splits_to_fill = sms // num_programs
     splits_worth_it = max(1, capacity // MIN_TOKENS_PER_SPLIT)
     return min(splits_to_fill, splits_worth_it, MAX_KV_SPLITS)
+
+
+def merge_rows(packed_rows: int, block_m: int, splits_pad: int, head_dim_pad: int) -> int:
+    """Packed rows the split merge combines per step: a whole decode tile (one GQA group) at once where its
+    ``[rows, splits, D]`` partials fit in ``MERGE_TILE_ELEMENTS``, fewer rows per step where they do not."""
+    rows_that_fit = max(1, MERGE_TILE_ELEMENTS // (splits_pad * head_dim_pad))
+    rows_that_fit = 1 << (rows_that_fit.bit_length() - 1)  # tl.arange needs a power of two
+    return min(triton.next_power_of_2(min(packed_rows, block_m)), rows_that_fit)

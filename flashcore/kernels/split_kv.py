@@ -1,11 +1,17 @@
-"""Flash-decoding merge: combines the per-split partial outputs by their log-sum-exp, and advances seq_lens.
+"""Flash-decoding merge: combines per-split partial outputs by their log-sum-exp, and advances seq_lens.
 
 With ``USE_SPLIT_KV`` the attention kernel splits each row's cached prefix over several programs; each writes
-a normalised partial output and its log2-sum-exp. This second launch merges them. Because it runs after the
-attention launch completes (stream order), it is also where ``seq_lens`` advances without racing a reader.
-"""
+a normalised partial output and its log2-sum-exp. :func:`_merge_kv_splits` combines them, in one of two places
+(the launcher picks; benchmarks/NOTES.md, entry 20):
 
-from __future__ import annotations
+- inside the attention launch, by the program that takes a tile's last split ticket. One launch instead of
+  two saved 22-72 us of host time per eager call on the H100 host, the dominant cost of an eager decode call;
+- in :func:`merge_kv_splits`, a second launch. Under CUDA-graph replay there is no host cost, and this is
+  1-3 us faster on the H100: the in-launch merge waits on a fence, an atomic and the L2 loads in one program.
+
+Either way the merge loads every split of a row at once (one round trip to L2): walking the splits one after
+another was a serial chain of L2 latencies (entry 2).
+"""
 
 import torch
 import triton
@@ -15,9 +21,41 @@ from flashcore.kernels.launch import CachedLauncher
 
 
 @triton.jit
+def _merge_kv_splits(
+    partial_out_ptr,  # [rows, splits, HEAD_DIM] fp32
+    partial_lse_ptr,  # [rows, splits] fp32, -inf for a split that saw no key
+    out_ptr,  # [rows, HEAD_DIM], contiguous
+    rows,  # [MERGE_ROWS] int64 flat (batch, q head, token) indices of the rows to merge
+    is_row_valid,  # [MERGE_ROWS]
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    offs_split = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask_d = offs_d < HEAD_DIM
+    mask_split = is_row_valid[:, None] & (offs_split[None, :] < num_splits)
+    partial_rows = rows[:, None] * num_splits + offs_split[None, :]
+    # .cg reads from L2: the partials were written by other programs of this launch, on other SMs.
+    lse = tl.load(partial_lse_ptr + partial_rows, mask=mask_split, other=float("-inf"), cache_modifier=".cg")
+    lse_max = tl.max(lse, 1)
+    # A row whose splits are all empty (a padding row) has lse_max = -inf: weights 0, output 0, never NaN.
+    weights = tl.math.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max)[:, None])
+    weight_sum = tl.sum(weights, 1)
+    partial_ptrs = partial_out_ptr + (partial_rows * HEAD_DIM)[:, :, None] + offs_d[None, None, :]
+    partial = tl.load(
+        partial_ptrs, mask=mask_split[:, :, None] & mask_d[None, None, :], other=0.0, cache_modifier=".cg"
+    )
+    merged = tl.sum(partial * weights[:, :, None], 1) / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
+    out_ptrs = out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=is_row_valid[:, None] & mask_d[None, :])
+
+
+@triton.jit
 def _merge_kv_splits_kernel(
     partial_out_ptr,  # [B * H_q * S_q, splits, HEAD_DIM] fp32
-    partial_lse_ptr,  # [B * H_q * S_q, splits] fp32, -inf for a split that saw no key
+    partial_lse_ptr,  # [B * H_q * S_q, splits] fp32
     out_ptr,  # [B, H_q, S_q, HEAD_DIM], contiguous
     seq_lens_ptr,  # [B] int32, advanced in place
     query_lens_ptr,  # [B] int32, read only when HAS_QUERY_LENS
@@ -29,25 +67,15 @@ def _merge_kv_splits_kernel(
     SPLITS_PAD: tl.constexpr,
     HAS_QUERY_LENS: tl.constexpr,
 ):
+    """One program per (batch, q head, token) row. Launched after the attention kernel, which has then read
+    seq_lens in every program (stream order), so advancing it here cannot race a reader."""
     pid_row = tl.program_id(0)  # over H_q * S_q
     batch = tl.program_id(1).to(tl.int64)
-    row = batch * rows_per_batch + pid_row
-    offs_split = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask_split = offs_split < num_splits
-    mask_d = offs_d < HEAD_DIM
-
-    # All splits of the row are loaded at once: one round trip to memory, not one per split.
-    lse = tl.load(partial_lse_ptr + row * num_splits + offs_split, mask=mask_split, other=float("-inf"))
-    lse_max = tl.max(lse, 0)
-    # A row whose splits are all empty (a padding row) has lse_max = -inf: weights 0, output 0, never NaN.
-    weights = tl.math.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-    weight_sum = tl.sum(weights, 0)
-    partial_ptrs = partial_out_ptr + (row * num_splits + offs_split)[:, None] * HEAD_DIM + offs_d[None, :]
-    partial = tl.load(partial_ptrs, mask=mask_split[:, None] & mask_d[None, :], other=0.0)
-    merged = tl.sum(partial * weights[:, None], 0) / tl.where(weight_sum > 0.0, weight_sum, 1.0)
-    tl.store(out_ptr + row * HEAD_DIM + offs_d, merged.to(out_ptr.dtype.element_ty), mask=mask_d)
-
+    rows = batch * rows_per_batch + pid_row + tl.arange(0, 1)
+    _merge_kv_splits(
+        partial_out_ptr, partial_lse_ptr, out_ptr, rows, tl.full([1], 1, tl.int1), num_splits,
+        HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD,
+    )  # fmt: skip
     if pid_row == 0:
         if HAS_QUERY_LENS:
             row_new = tl.load(query_lens_ptr + batch)
