@@ -229,8 +229,15 @@ def measure(
         per_set = min(ctx.args.host_calls_per_set, 1 + room // max(new_lens))
         n_calls = min(HOST_MAX_CALLS, per_set * len(sets))
         row["host_calls_per_sample"] = n_calls
-        row["fc_host_us"] = ctx.timer.host_us([lambda s=s: run_flashcore(s) for s in sets], reset, n_calls)
-        row["sdpa_host_us"] = ctx.timer.host_us([lambda s=s: run_sdpa(s) for s in sets], reset, n_calls)
+        host_us = ctx.timer.host_us(
+            {
+                "fc": [lambda s=s: run_flashcore(s) for s in sets],
+                "sdpa": [lambda s=s: run_sdpa(s) for s in sets],
+            },
+            reset,
+            n_calls,
+        )
+        row["fc_host_us"], row["sdpa_host_us"] = host_us["fc"], host_us["sdpa"]
     for mode in ("eager", "graph"):
         fc_us, sdpa_us = row.get(f"fc_{mode}_us"), row.get(f"sdpa_{mode}_us")
         if fc_us and sdpa_us:
@@ -458,7 +465,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--headroom", type=int, default=256, help="cache slots past L (S_max = L + headroom)")
     parser.add_argument("--eager-iters", type=int, default=50, help="timed eager calls per side per row")
     parser.add_argument("--graph-replays", type=int, default=20, help="timed graph replays per side per row")
-    parser.add_argument("--host-samples", type=int, default=5, help="host-time samples per side per row")
+    parser.add_argument("--host-samples", type=int, default=9, help="host-time samples per side per row")
     parser.add_argument("--host-calls-per-set", type=int, default=16, help="back-to-back calls per set per sample")
     parser.add_argument(
         "--max-rotation-sets", type=int, default=harness.MAX_ROTATION_SETS, help="input sets a graph cycles through"

@@ -243,17 +243,16 @@ class CudaTimer:
         self.synchronize()
         return 1e3 * statistics.median(per_call_ms), outputs, graph
 
-    def host_us(self, calls: list[Callable[[], object]], reset: Callable[[], None], n_calls: int) -> float:
-        """Host time to issue one eager call (Python, validation, launch), with the device never the limit.
+    def host_us(self, sides: dict[str, list[Callable[[], object]]], reset: Callable[[], None], n_calls: int) -> dict:
+        """Host time to issue one eager call (Python, validation, launch) per side, the device never the limit.
 
         A long ``torch.cuda._sleep`` kernel is queued first, so the ``n_calls`` calls issued after it only
-        enqueue work (no queue is full, nothing waits on the device); perf_counter brackets the issuing.
+        enqueue work (no queue is full, nothing waits on the device); perf_counter brackets the issuing. The
+        sides' samples are interleaved, in alternating order, so that drift in the host's speed (a shared
+        machine) lands on both sides alike rather than on whichever side ran second.
         """
-        reset()
-        for call in calls:  # allocator and launcher caches warm
-            call()
-        samples = []
-        for _ in range(self.host_samples):
+
+        def sample(calls):
             reset()
             self.synchronize()
             torch.cuda._sleep(HOST_TIMING_SLEEP_CYCLES)
@@ -262,9 +261,9 @@ class CudaTimer:
                 calls[i % len(calls)]()
             elapsed = time.perf_counter() - started
             self.synchronize()
-            samples.append(1e6 * elapsed / n_calls)
-        reset()
-        return statistics.median(samples)
+            return 1e6 * elapsed / n_calls
+
+        return _interleaved_medians(sides, reset, sample, self.host_samples)
 
 
 class CpuTimer:
@@ -294,16 +293,30 @@ class CpuTimer:
     def graph_us(self, calls, reset):
         return None, None, None
 
-    def host_us(self, calls, reset, n_calls: int) -> float:
-        samples = []
-        for _ in range(self.host_samples):
+    def host_us(self, sides, reset, n_calls: int) -> dict:
+        def sample(calls):
             reset()
             started = time.perf_counter()
             for i in range(n_calls):
                 calls[i % len(calls)]()
-            samples.append(1e6 * (time.perf_counter() - started) / n_calls)
+            return 1e6 * (time.perf_counter() - started) / n_calls
+
+        return _interleaved_medians(sides, reset, sample, self.host_samples)
+
+
+def _interleaved_medians(sides: dict, reset: Callable[[], None], sample: Callable, n_samples: int) -> dict:
+    """Median of ``n_samples`` samples per side, taken round-robin; every other round in reverse side order."""
+    for calls in sides.values():  # allocator and launcher caches warm
         reset()
-        return statistics.median(samples)
+        for call in calls:
+            call()
+    samples = {name: [] for name in sides}
+    for round_index in range(n_samples):
+        names = list(sides) if round_index % 2 == 0 else list(reversed(sides))
+        for name in names:
+            samples[name].append(sample(sides[name]))
+    reset()
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def make_timer(device: torch.device, **kwargs) -> CudaTimer | CpuTimer:
