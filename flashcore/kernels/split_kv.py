@@ -37,7 +37,8 @@ def _merge_kv_splits(
     mask_d = offs_d < HEAD_DIM
     mask_split = is_row_valid[:, None] & (offs_split[None, :] < num_splits)
     partial_rows = rows[:, None] * num_splits + offs_split[None, :]
-    # .cg reads from L2: the partials were written by other programs of this launch, on other SMs.
+    # .cg reads from L2. Needed in the attention launch, where other SMs wrote the partials moments before;
+    # the separate merge kernel pays for it too, and may be why it is 0.2-0.5 us slower (NOTES.md, entry 20).
     lse = tl.load(partial_lse_ptr + partial_rows, mask=mask_split, other=float("-inf"), cache_modifier=".cg")
     lse_max = tl.max(lse, 1)
     # A row whose splits are all empty (a padding row) has lse_max = -inf: weights 0, output 0, never NaN.
