@@ -20,6 +20,7 @@ from oracle import CallInputs, check_call, make_call_inputs
 import flashcore
 import flashcore.kernels.attention as triton_attention
 import flashcore.ops
+from flashcore.kernels.configs import num_sms
 
 BACKENDS = ["torch", "triton"]
 # The triton backend merges a split prefix either in the attention launch (eager) or in a second launch
@@ -267,6 +268,70 @@ def test_chunk_on_long_cache_one_row(backend, merges_in_launch, is_causal, split
     )
     out, returned = _call_with_query_lens(inputs, is_causal=is_causal, sliding_window=None, backend=backend)
     check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=is_causal, sliding_window=None)
+
+
+@pytest.mark.parametrize(("backend", "merges_in_launch"), SPLIT_MERGE_CASES)
+def test_many_gqa_rows_head_dim_128(backend, merges_in_launch, split_merge_placement, device, generator):
+    """GQA decode at D 128 over many (batch, KV head) rows: the triton backend's one-warp, two-split config
+    (configs.attention_config), with rows of different lengths, one of them shorter than a split."""
+    split_merge_placement(merges_in_launch)
+    dtype = DTYPES[0]
+    num_kv_heads, capacity = 4, 160
+    batch = -(-3 * num_sms(torch.device(device)) // (2 * num_kv_heads))  # a wave and a half of (batch, KV head) rows
+    if backend == "triton":
+        plan = triton_attention._launch_plan(2, 128, batch * num_kv_heads, capacity, torch.device(device))
+        assert (plan.config.num_warps, plan.num_splits) == (1, 2)
+    seq_lens = [int(n) for n in torch.randint(0, capacity, (batch,), generator=generator)]
+    seq_lens[0] = 40
+    inputs = make_call_inputs(
+        randn,
+        generator=generator,
+        dtype=dtype,
+        device=device,
+        num_q_heads=2 * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        num_new=1,
+        head_dim=128,
+        capacity=capacity,
+        seq_lens=seq_lens,
+        query_lens=[1] * batch,
+    )
+    out, returned = _call_with_query_lens(inputs, backend=backend)
+    check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_new", [1, 40])
+def test_split_merge_placements_agree_bitwise(dtype, num_new, split_merge_placement, device, generator):
+    """Eager calls merge a split prefix in the attention launch, CUDA-graph captured ones in a second launch.
+    Both must give the same bits, or a captured decode loop picks other tokens than an eager one (a one-ulp
+    difference between the two placements did that on the H100, benchmarks/NOTES.md entry 22)."""
+    inputs = make_call_inputs(
+        randn,
+        generator=generator,
+        dtype=dtype,
+        device=device,
+        num_q_heads=4,
+        num_kv_heads=1,
+        num_new=num_new,
+        head_dim=64,
+        capacity=1024,
+        seq_lens=[int(torch.randint(600, 1024 - num_new + 1, (1,), generator=generator)), 300],
+        query_lens=[num_new, num_new],
+    )
+    outputs, caches = [], []
+    for merges_in_launch in (True, False):
+        split_merge_placement(merges_in_launch)
+        k_cache, v_cache, seq_lens = (tensor.clone() for tensor in inputs.cache)
+        out, _ = flashcore.attention_with_kv_cache(
+            inputs.query, inputs.key, inputs.value, (k_cache, v_cache, seq_lens), backend="triton"
+        )
+        outputs.append(out)
+        caches.append((k_cache, v_cache, seq_lens))
+    assert torch.isfinite(outputs[0]).all()
+    assert torch.equal(outputs[0], outputs[1])
+    for in_launch, second_launch in zip(*caches, strict=True):
+        assert torch.equal(in_launch.nan_to_num(), second_launch.nan_to_num())
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -208,7 +208,7 @@ def _attention_with_kv_cache_kernel(
                     merge_rows = (batch * num_kv_heads * GROUP + merge_head) * num_new + merge_token
                     _merge_kv_splits(
                         partial_out_ptr, partial_lse_ptr, out_ptr, merge_rows, offs_merge < packed_rows_in_grid,
-                        num_splits, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD,
+                        num_splits, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, MERGE_ROWS,
                     )  # fmt: skip
                 _advance_seq_lens_after_last_tile(
                     seq_lens_ptr, row_tickets_ptr, batch, seq_len_before + row_new, num_m_blocks * num_kv_heads
@@ -250,7 +250,7 @@ def _launch_plan(packed_rows: int, head_dim: int, batch_kv_heads: int, capacity:
     """Config, M blocks and KV splits depend on shapes only, so they are computed once per shape."""
     config = configs.attention_config(packed_rows, head_dim, batch_kv_heads, device)
     num_m_blocks = triton.cdiv(packed_rows, config.block_m)
-    num_splits = configs.num_kv_splits(num_m_blocks * batch_kv_heads, capacity, device)
+    num_splits = configs.num_kv_splits(num_m_blocks * batch_kv_heads, capacity, device, config.kv_splits)
     splits_pad = triton.next_power_of_2(num_splits)
     merge_rows = configs.merge_rows(packed_rows, config.block_m, splits_pad, configs.head_dim_padded(head_dim))
     return _LaunchPlan(config, num_m_blocks, num_splits, splits_pad, merge_rows)

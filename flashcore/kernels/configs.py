@@ -28,6 +28,7 @@ class AttentionConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    kv_splits: int = 0  # 0: as many as fill the SMs (num_kv_splits)
 
 
 def head_dim_padded(head_dim: int) -> int:
@@ -43,6 +44,12 @@ def attention_config(packed_rows: int, head_dim: int, batch_kv_heads: int, devic
     head_dim_pad = head_dim_padded(head_dim)
     if packed_rows <= 64:
         block_m = max(16, triton.next_power_of_2(packed_rows))
+        # GQA decode at D 128 with a wave and a half of programs or more (B >= 32 at 8 KV heads): one-warp
+        # programs, two KV splits each. Seven fit on an SM against four 4-warp ones, so more loads are in
+        # flight. H100, same run: B64 L1k 116.2 -> 109.0 us (SDPA 112.8), B32 L1k 60.3 -> 58.8, L4k and L32k
+        # within 0.3%; SmolLM2's D 64 lost with it at B64 L4k (78.4 -> 85.1 us). NOTES.md, entry 22.
+        if packed_rows > 1 and head_dim_pad == 128 and 2 * batch_kv_heads >= 3 * num_sms(device):
+            return AttentionConfig(block_m=block_m, block_n=32, num_warps=1, num_stages=2, kv_splits=2)
         # GQA decode with three or more programs per SM: BLOCK_N 32 beat 64 on the H100 at B64 (L1k: 103.8 vs
         # 108.7 us; a smaller tile means less shared memory per program, so more programs resident per SM).
         # MHA lost with it (B32 L4k: 725 vs 710 us), and so did GQA with fewer programs. NOTES.md, entry 14.
@@ -64,18 +71,21 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def num_kv_splits(num_programs: int, capacity: int, device: torch.device) -> int:
-    """FA3's idea: the fewest splits of the cached prefix that fill the SMs in one wave.
+def num_kv_splits(num_programs: int, capacity: int, device: torch.device, wanted: int = 0) -> int:
+    """FA3's idea: the fewest splits of the cached prefix that fill the SMs in one wave (or ``wanted``, a
+    config's own choice), and never a split shorter than one key tile.
 
     Rounded down: a second, partial wave costs more than the SMs left idle (H100, B8 L4k decode: 51.9 us
     with 2 splits = 128 programs, 53.9 us with 3). The real lengths are on the device, so the cache
     capacity ``S_max`` bounds the work instead; splits of a short row end early and merge as empty.
     """
     sms = num_sms(device)
+    splits_worth_it = max(1, capacity // MIN_TOKENS_PER_SPLIT)
+    if wanted:
+        return min(wanted, splits_worth_it)
     if num_programs >= sms:
         return 1
     splits_to_fill = sms // num_programs
-    splits_worth_it = max(1, capacity // MIN_TOKENS_PER_SPLIT)
     return min(splits_to_fill, splits_worth_it, MAX_KV_SPLITS)
 
 

@@ -9,8 +9,8 @@ a normalised partial output and its log2-sum-exp. :func:`_merge_kv_splits` combi
 - in :func:`merge_kv_splits`, a second launch. Under CUDA-graph replay there is no host cost, and this is
   1-3 us faster on the H100: the in-launch merge waits on a fence, an atomic and the L2 loads in one program.
 
-Either way the merge loads every split of a row at once (one round trip to L2): walking the splits one after
-another was a serial chain of L2 latencies (entry 2).
+Both run the same helper and give bitwise the same output. Either way no split's load waits on another's:
+walking the splits with dependent loads was a serial chain of L2 latencies (entry 2).
 """
 
 import torch
@@ -31,24 +31,45 @@ def _merge_kv_splits(
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
 ):
     offs_split = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask_d = offs_d < HEAD_DIM
     mask_split = is_row_valid[:, None] & (offs_split[None, :] < num_splits)
-    partial_rows = rows[:, None] * num_splits + offs_split[None, :]
     # .cg reads from L2. Needed in the attention launch, where other SMs wrote the partials moments before;
-    # the separate merge kernel pays for it too, and may be why it is 0.2-0.5 us slower (NOTES.md, entry 20).
-    lse = tl.load(partial_lse_ptr + partial_rows, mask=mask_split, other=float("-inf"), cache_modifier=".cg")
-    lse_max = tl.max(lse, 1)
-    # A row whose splits are all empty (a padding row) has lse_max = -inf: weights 0, output 0, never NaN.
-    weights = tl.math.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max)[:, None])
-    weight_sum = tl.sum(weights, 1)
-    partial_ptrs = partial_out_ptr + (partial_rows * HEAD_DIM)[:, :, None] + offs_d[None, None, :]
-    partial = tl.load(
-        partial_ptrs, mask=mask_split[:, :, None] & mask_d[None, None, :], other=0.0, cache_modifier=".cg"
+    # in the separate merge it costs nothing measurable (NOTES.md, entry 22).
+    lse = tl.load(
+        partial_lse_ptr + rows[:, None] * num_splits + offs_split[None, :],
+        mask=mask_split,
+        other=float("-inf"),
+        cache_modifier=".cg",
     )
-    merged = tl.sum(partial * weights[:, :, None], 1) / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
+    lse_max = tl.max(lse, 1)  # a max is exact in any order
+    # A row whose splits are all empty (a padding row) has lse_max = -inf: weights 0, output 0, never NaN.
+    lse_shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    # Each output element is summed over the splits in index order by the thread that holds it, so the result
+    # does not depend on the tile's layout: the in-launch merge (MERGE_ROWS rows, the attention kernel's warps)
+    # and the separate merge (one row) give bitwise the same output, and a graph-replayed decode the same
+    # tokens as an eager one. tl.sum's order follows the layout, and with it the two placements differed in
+    # the last bit (entry 22). No load depends on a running sum, so all splits' loads can be in flight at once.
+    merged = tl.zeros([MERGE_ROWS, HEAD_DIM_PAD], tl.float32)
+    weight_sum = tl.zeros([MERGE_ROWS], tl.float32)
+    for split in tl.static_range(SPLITS_PAD):
+        # A tensor compare: the interpreter rejects a mask built from a scalar one.
+        is_split = is_row_valid & (tl.full([MERGE_ROWS], split, tl.int32) < num_splits)
+        partial_row = rows * num_splits + split
+        split_lse = tl.load(partial_lse_ptr + partial_row, mask=is_split, other=float("-inf"), cache_modifier=".cg")
+        partial = tl.load(
+            partial_out_ptr + partial_row[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=is_split[:, None] & mask_d[None, :],
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        weight = tl.math.exp2(split_lse - lse_shift)
+        weight_sum += weight
+        merged += partial * weight[:, None]
+    merged = merged / tl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
     out_ptrs = out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=is_row_valid[:, None] & mask_d[None, :])
 
@@ -75,7 +96,7 @@ def _merge_kv_splits_kernel(
     rows = batch * rows_per_batch + pid_row + tl.arange(0, 1)
     _merge_kv_splits(
         partial_out_ptr, partial_lse_ptr, out_ptr, rows, tl.full([1], 1, tl.int1), num_splits,
-        HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD,
+        HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, 1,
     )  # fmt: skip
     if pid_row == 0:
         if HAS_QUERY_LENS:
