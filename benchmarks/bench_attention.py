@@ -224,7 +224,9 @@ def measure(
     if use_host and not ctx.args.no_host_timing:
         # Calls go round-robin over the sets; each set takes at most as many appends as its free slots allow
         # (never past capacity), and HOST_MAX_CALLS keeps the launches queued behind the sleep kernel well
-        # under the GPU's launch queue depth (~1k), so the host never blocks on a full queue.
+        # under the GPU's launch queue depth (~1k), so the host never blocks on a full queue. Every decode row
+        # gets HOST_MAX_CALLS calls per sample: at 16 (the rows with one input set, before) a per-sample
+        # fixed cost added 4-16 us per call to flashcore's side and 4-11 to SDPA's (NOTES.md, entry 22).
         room = sets[0].k_cache.shape[2] - max(a + n for a, n in zip(lens_before, new_lens, strict=True))
         per_set = min(ctx.args.host_calls_per_set, 1 + room // max(new_lens))
         n_calls = min(HOST_MAX_CALLS, per_set * len(sets))
@@ -466,7 +468,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eager-iters", type=int, default=50, help="timed eager calls per side per row")
     parser.add_argument("--graph-replays", type=int, default=20, help="timed graph replays per side per row")
     parser.add_argument("--host-samples", type=int, default=9, help="host-time samples per side per row")
-    parser.add_argument("--host-calls-per-set", type=int, default=16, help="back-to-back calls per set per sample")
+    parser.add_argument(
+        "--host-calls-per-set", type=int, default=HOST_MAX_CALLS, help="back-to-back calls per set per sample"
+    )
     parser.add_argument(
         "--max-rotation-sets", type=int, default=harness.MAX_ROTATION_SETS, help="input sets a graph cycles through"
     )
