@@ -272,12 +272,12 @@ def test_chunk_on_long_cache_one_row(backend, merges_in_launch, is_causal, split
 
 @pytest.mark.parametrize(("backend", "merges_in_launch"), SPLIT_MERGE_CASES)
 def test_many_gqa_rows_head_dim_128(backend, merges_in_launch, split_merge_placement, device, generator):
-    """GQA decode at D 128 over many (batch, KV head) rows: the triton backend's one-warp, two-split config
-    (configs.attention_config), with rows of different lengths, one of them shorter than a split."""
+    """GQA decode at D 128 with three (batch, KV head) rows per SM: the triton backend's one-warp, two-split
+    config (configs.attention_config), with rows of different lengths, one of them shorter than a split."""
     split_merge_placement(merges_in_launch)
     dtype = DTYPES[0]
     num_kv_heads, capacity = 4, 160
-    batch = -(-3 * num_sms(torch.device(device)) // (2 * num_kv_heads))  # a wave and a half of (batch, KV head) rows
+    batch = -(-3 * num_sms(torch.device(device)) // num_kv_heads)  # three (batch, KV head) rows per SM
     if backend == "triton":
         plan = triton_attention._launch_plan(2, 128, batch * num_kv_heads, capacity, torch.device(device))
         assert (plan.config.num_warps, plan.num_splits) == (1, 2)

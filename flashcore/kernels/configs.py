@@ -44,16 +44,16 @@ def attention_config(packed_rows: int, head_dim: int, batch_kv_heads: int, devic
     head_dim_pad = head_dim_padded(head_dim)
     if packed_rows <= 64:
         block_m = max(16, triton.next_power_of_2(packed_rows))
-        # GQA decode at D 128 with a wave and a half of programs or more (B >= 32 at 8 KV heads): one-warp
-        # programs, two KV splits each. Seven fit on an SM against four 4-warp ones, so more loads are in
-        # flight. H100, same run: B64 L1k 116.2 -> 109.0 us (SDPA 112.8), B32 L1k 60.3 -> 58.8, L4k and L32k
-        # within 0.3%; SmolLM2's D 64 lost with it at B64 L4k (78.4 -> 85.1 us). NOTES.md, entry 22.
-        if packed_rows > 1 and head_dim_pad == 128 and 2 * batch_kv_heads >= 3 * num_sms(device):
-            return AttentionConfig(block_m=block_m, block_n=32, num_warps=1, num_stages=2, kv_splits=2)
-        # GQA decode with three or more programs per SM: BLOCK_N 32 beat 64 on the H100 at B64 (L1k: 103.8 vs
-        # 108.7 us; a smaller tile means less shared memory per program, so more programs resident per SM).
-        # MHA lost with it (B32 L4k: 725 vs 710 us), and so did GQA with fewer programs. NOTES.md, entry 14.
+        # GQA decode with three or more programs per SM: fewer registers and less shared memory per program
+        # keep more of them, and more loads, in flight. H100 (NOTES.md, entries 14 and 22): at D 128, one-warp
+        # programs with two KV splits each, B64 L1k 116.2 -> 109.0 us (SDPA 112.8), L4k and L32k within 0.3%.
+        # At B32 (1.9 programs per SM) the same config gained 2.5% under graph replay but took the split path's
+        # host cost, 20 us over SDPA's per eager call, so it stays below this line. Other head dims keep
+        # 4 warps with BLOCK_N 32 (SmolLM2's D 64 lost with one warp: B64 L4k 78.4 -> 85.1 us); MHA lost with
+        # BLOCK_N 32 (B32 L4k: 725 vs 710 us), and so did GQA with fewer programs.
         is_many_gqa_programs = packed_rows > 1 and batch_kv_heads >= 3 * num_sms(device)
+        if is_many_gqa_programs and head_dim_pad == 128:
+            return AttentionConfig(block_m=block_m, block_n=32, num_warps=1, num_stages=2, kv_splits=2)
         block_n = 32 if is_many_gqa_programs or head_dim_pad > 128 else 64
         return AttentionConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3)
     if head_dim_pad <= 64:
