@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from conftest import TOLERANCES, randn
 from oracle import check_call, make_call_inputs
 
 import flashcore
+import flashcore.kernels.attention as triton_attention
 from flashcore.kernels.attention import _attention_with_kv_cache_kernel
-from flashcore.kernels.launch import CachedLauncher
+from flashcore.kernels.launch import CachedLauncher, _launch_hooks_set
 
 
 def test_signature_separates_what_triton_specialises_on():
@@ -29,6 +31,21 @@ def test_signature_separates_what_triton_specialises_on():
     assert signature(aligned, 16, 0.5, block=32) != reference
     assert launcher._signature((1, 1, 1), (aligned, 16, 0.5), {"BLOCK": 16}, 4, 3, device=1) != reference
     assert signature(aligned, None, 0.5) is None  # an argument it does not key: left to Triton's JIT
+
+
+@pytest.mark.skipif(not hasattr(triton.knobs.runtime.launch_enter_hook, "calls"), reason="triton without HookChain")
+def test_empty_hook_chain_is_no_hook(monkeypatch):
+    """Triton's launch hooks are HookChains that always exist; only a chain with a hook in it (a profiler's)
+    must send launches through the JIT, which calls the hooks."""
+    runtime = triton.knobs.runtime
+    chain_type = type(runtime.launch_enter_hook)
+    monkeypatch.setattr(runtime, "launch_enter_hook", chain_type())
+    monkeypatch.setattr(runtime, "launch_exit_hook", chain_type())
+    assert not _launch_hooks_set()
+    runtime.launch_exit_hook.add(lambda *args: None)
+    assert _launch_hooks_set()
+    monkeypatch.setattr(runtime, "launch_exit_hook", None)
+    assert not _launch_hooks_set()
 
 
 def _misaligned_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -64,3 +81,5 @@ def test_repeated_calls_alternating_alignment(num_new, device, generator):
             inputs.query, inputs.key, inputs.value, inputs.cache, backend="triton"
         )
         check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=True)
+    if torch.device(device).type == "cuda":  # the direct launch was set up (the interpreter always takes the JIT)
+        assert triton_attention._launch_attention._compiled

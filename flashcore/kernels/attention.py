@@ -241,19 +241,22 @@ class _LaunchPlan:
     config: configs.AttentionConfig
     num_m_blocks: int
     num_splits: int
+    head_dim_pad: int  # HEAD_DIM_PAD
     splits_pad: int  # SPLITS_PAD
     merge_rows: int  # MERGE_ROWS
 
 
 @functools.cache
 def _launch_plan(packed_rows: int, head_dim: int, batch_kv_heads: int, capacity: int, device: torch.device):
-    """Config, M blocks and KV splits depend on shapes only, so they are computed once per shape."""
+    """Config, M blocks and KV splits depend on shapes only, so they are computed once per shape (and so is
+    every ``triton.next_power_of_2``: on triton 3.9 each call costs ~7 us of host time, NOTES.md entry 23)."""
     config = configs.attention_config(packed_rows, head_dim, batch_kv_heads, device)
     num_m_blocks = triton.cdiv(packed_rows, config.block_m)
     num_splits = configs.num_kv_splits(num_m_blocks * batch_kv_heads, capacity, device, config.kv_splits)
+    head_dim_pad = configs.head_dim_padded(head_dim)
     splits_pad = triton.next_power_of_2(num_splits)
-    merge_rows = configs.merge_rows(packed_rows, config.block_m, splits_pad, configs.head_dim_padded(head_dim))
-    return _LaunchPlan(config, num_m_blocks, num_splits, splits_pad, merge_rows)
+    merge_rows = configs.merge_rows(packed_rows, config.block_m, splits_pad, head_dim_pad)
+    return _LaunchPlan(config, num_m_blocks, num_splits, head_dim_pad, splits_pad, merge_rows)
 
 
 _scratch_by_key: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -358,7 +361,7 @@ def attention_with_kv_cache_triton(
         dict(
             GROUP=group,
             HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=configs.head_dim_padded(head_dim),
+            HEAD_DIM_PAD=plan.head_dim_pad,
             BLOCK_M=config.block_m,
             BLOCK_N=config.block_n,
             IS_CAUSAL=is_causal,

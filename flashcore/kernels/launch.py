@@ -27,7 +27,15 @@ def _launch_hooks_set() -> bool:
     runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
     if runtime is None:  # a triton without knobs: always go through the JIT
         return True
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return _is_hook_set(runtime.launch_enter_hook) or _is_hook_set(runtime.launch_exit_hook)
+
+
+def _is_hook_set(hook) -> bool:
+    # In recent triton (3.6 on the device machine, 3.9 on CI) each hook is a HookChain that is always there, and
+    # an empty chain means no hook. Testing ``is not None`` alone took it for a hook: on triton 3.6 every call
+    # went through the JIT (NOTES.md, entry 23).
+    calls = getattr(hook, "calls", None)
+    return hook is not None and (calls is None or len(calls) > 0)
 
 
 class CachedLauncher:
@@ -57,7 +65,8 @@ class CachedLauncher:
                 self._remember(key, compiled, constexprs)
             return
         compiled, constexpr_values = entry
-        stream = torch.cuda.current_stream(device).cuda_stream
+        # Triton's own stream getter: the raw handle, without building a torch.cuda.Stream object per call.
+        stream = triton.runtime.driver.active.get_current_stream(device)
         compiled.run(
             grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
             None, None, None,  # launch metadata and enter/exit hooks: none are set (checked above)
@@ -65,15 +74,23 @@ class CachedLauncher:
         )  # fmt: skip
 
     def _signature(self, grid, args, constexprs, num_warps, num_stages, device: int) -> tuple | None:
-        """The launch's signature, or None for an argument type this does not key (the JIT path takes it)."""
+        """The launch's signature, or None for an argument type this does not key (the JIT path takes it).
+
+        Exact type tests rather than isinstance: this runs on every eager call, over ~46 arguments, and on the
+        device machine's host the isinstance chain was several microseconds of it (NOTES.md, entry 23).
+        Subclasses (a bool, a tensor subclass) are not keyed and take the JIT path.
+        """
         key = [grid, num_warps, num_stages, device, *constexprs.values()]
+        append = key.append
         for arg in args:
-            if isinstance(arg, torch.Tensor):
-                key.append((arg.dtype, arg.data_ptr() % 16 == 0))
-            elif isinstance(arg, int):
-                key.append(arg)
-            elif isinstance(arg, float):
-                key.append(float)  # always passed as fp32: the value does not change the kernel
+            kind = type(arg)
+            if kind is int:
+                append(arg)
+            elif kind is torch.Tensor:
+                append(arg.dtype)
+                append(arg.data_ptr() % 16 == 0)
+            elif kind is float:
+                append(float)  # always passed as fp32: the value does not change the kernel
             else:
                 return None
         return tuple(key)
@@ -85,6 +102,8 @@ class CachedLauncher:
             names = [param.name for param in self.kernel.params if param.is_constexpr]
             if set(names) != set(constexprs):
                 return  # defaults or extra options in play: stay on the JIT path
+            if any(param.is_constexpr for param in self.kernel.params[: -len(names) or None]):
+                return  # the direct launch appends the constexprs after the runtime arguments
             self._constexpr_names = names
         if len(self._compiled) >= MAX_CACHED_SIGNATURES:
             self._compiled.clear()
