@@ -2,10 +2,10 @@
 
 ``kernel[grid](*args)`` re-derives the kernel's specialisation from every argument on every call (dtype and
 16-byte alignment of each pointer, ``== 1`` and ``% 16`` of each integer) before it finds the compiled kernel
-and calls its launcher. On the device machine's host that binder costs about as much as the launch itself
-(H100 host, attention kernel, 46 arguments: 46 us through ``kernel[grid]``, 23 us calling the compiled
-launcher directly; benchmarks/NOTES.md). A decode call is a few microseconds of GPU work, so in eager mode this
-host cost is the call's cost.
+and calls its launcher. On the device machine's host that binder costs three times the launch itself
+(attention kernel, 46 arguments: 51 us through ``kernel[grid]``, 12.5 us calling the compiled launcher
+directly; benchmarks/NOTES.md, entry 23). A decode call is a few microseconds of GPU work, so in eager mode
+this host cost is the call's cost.
 
 The first launch of a signature goes through Triton's JIT (which compiles if needed) and keeps the compiled
 kernel. Later launches with the same signature call its launcher directly. The signature is exact: the grid,
