@@ -226,7 +226,7 @@ def measure(
         # (never past capacity), and HOST_MAX_CALLS keeps the launches queued behind the sleep kernel well
         # under the GPU's launch queue depth (~1k), so the host never blocks on a full queue. Every decode row
         # gets HOST_MAX_CALLS calls per sample: at 16 (the rows with one input set, before) a per-sample
-        # fixed cost added 4-16 us per call to flashcore's side and 4-11 to SDPA's (NOTES.md, entry 22).
+        # fixed cost added 4-16 us per call to flashcore's side and 4-12 to SDPA's (NOTES.md, entry 22).
         room = sets[0].k_cache.shape[2] - max(a + n for a, n in zip(lens_before, new_lens, strict=True))
         per_set = min(ctx.args.host_calls_per_set, 1 + room // max(new_lens))
         n_calls = min(HOST_MAX_CALLS, per_set * len(sets))

@@ -249,7 +249,7 @@ class _LaunchPlan:
 @functools.cache
 def _launch_plan(packed_rows: int, head_dim: int, batch_kv_heads: int, capacity: int, device: torch.device):
     """Config, M blocks and KV splits depend on shapes only, so they are computed once per shape (and so is
-    every ``triton.next_power_of_2``: on triton 3.9 each call costs ~7 us of host time, NOTES.md entry 23)."""
+    every ``triton.next_power_of_2``: on triton 3.9 one call per launch cost ~6 us of host time, NOTES.md entry 23)."""
     config = configs.attention_config(packed_rows, head_dim, batch_kv_heads, device)
     num_m_blocks = triton.cdiv(packed_rows, config.block_m)
     num_splits = configs.num_kv_splits(num_m_blocks * batch_kv_heads, capacity, device, config.kv_splits)

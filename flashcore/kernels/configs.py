@@ -49,9 +49,9 @@ def attention_config(packed_rows: int, head_dim: int, batch_kv_heads: int, devic
         # programs with two KV splits each, B64 L1k 116.2 -> 109.0 us (SDPA 112.8), L4k and L32k within 0.3%.
         # At B32 (1.9 programs per SM) the same config gained 2.5% under graph replay but took the split path's
         # host cost, 20 us over SDPA's per eager call then (before the launcher fix of entry 23; not re-measured
-        # since), so it stays below this line. Other head dims keep
-        # 4 warps with BLOCK_N 32 (SmolLM2's D 64 lost with one warp: B64 L4k 78.4 -> 85.1 us); MHA lost with
-        # BLOCK_N 32 (B32 L4k: 725 vs 710 us), and so did GQA with fewer programs.
+        # since), so it stays below this line. Other head dims keep 4 warps with BLOCK_N 32 (SmolLM2's D 64 lost
+        # with one warp: B64 L4k 78.4 -> 85.1 us); MHA lost with BLOCK_N 32 (B32 L4k: 725 vs 710 us), and so did
+        # GQA with fewer programs.
         is_many_gqa_programs = packed_rows > 1 and batch_kv_heads >= 3 * num_sms(device)
         if is_many_gqa_programs and head_dim_pad == 128:
             return AttentionConfig(block_m=block_m, block_n=32, num_warps=1, num_stages=2, kv_splits=2)
