@@ -321,7 +321,7 @@ def planned_kv_splits(ctx: Context, group: int, batch: int, num_kv_heads: int, s
     try:
         from flashcore.kernels.attention import _launch_plan
 
-        return _launch_plan(group, head_dim, batch * num_kv_heads, s_max, ctx.device).num_splits
+        return _launch_plan(group, head_dim, batch * num_kv_heads, s_max, ELEM_BYTES, ctx.device).num_splits
     except Exception:  # noqa: BLE001
         return None
 

@@ -212,6 +212,49 @@ def test_long_prefill(backend, head_dim, is_causal, sliding_window, device, gene
     check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=is_causal, sliding_window=sliding_window)
 
 
+@pytest.mark.parametrize("rows_per_group", [1, 2, 3, 4])
+def test_launch_order_groups(rows_per_group, monkeypatch, device, generator):
+    """Prefill of 3 M blocks over 4 (batch, KV head) rows, the launch order grouping 1, 2, 3 or all 4 rows (with
+    3, the last group short; configs.rows_per_launch_group picks the size from L2): every (row, M block) program
+    runs once, so each output matches the oracle and seq_lens advances exactly once."""
+    monkeypatch.setattr(triton_attention.configs, "rows_per_launch_group", lambda *shape: rows_per_group)
+    triton_attention._launch_plan.cache_clear()
+    try:
+        dtype = DTYPES[-1]
+        inputs = make_call_inputs(
+            randn,
+            generator=generator,
+            dtype=dtype,
+            device=device,
+            num_q_heads=4,
+            num_kv_heads=2,
+            num_new=160,  # 320 packed rows: 3 M blocks of 128
+            head_dim=32,
+            capacity=200,
+            seq_lens=[int(n) for n in torch.randint(0, 41, (2,), generator=generator)],
+            query_lens=[160, 97],
+        )
+        plan = triton_attention._launch_plan(320, 32, 4, 200, dtype.itemsize, torch.device(device))
+        assert (plan.num_m_blocks, plan.rows_per_group) == (3, rows_per_group)
+        out, returned = _call_with_query_lens(inputs, is_causal=True, backend="triton")
+        check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=True)
+    finally:
+        triton_attention._launch_plan.cache_clear()
+
+
+def test_rows_per_launch_group_fits_half_of_l2():
+    """Groups hold as many rows as fit in half of L2, at least one and at most all; decode (one M block) keeps
+    every row in one group, where the order is the identity."""
+    device = torch.device("cpu")  # the interpreter's stand-in L2
+    half_l2 = triton_attention.configs.l2_bytes(device) // 2
+    row_bytes = 2 * 64 * 32 * 2  # K and V of a 64-token, D 32, fp16 row
+    rows_per_launch_group = triton_attention.configs.rows_per_launch_group
+    assert rows_per_launch_group(1000, 3, 64, 32, 2, device) == half_l2 // row_bytes
+    assert rows_per_launch_group(2, 3, 64, 32, 2, device) == 2
+    assert rows_per_launch_group(1000, 3, 1 << 20, 32, 2, device) == 1
+    assert rows_per_launch_group(1000, 1, 1 << 20, 32, 2, device) == 1000
+
+
 @pytest.mark.parametrize(("backend", "merges_in_launch"), SPLIT_MERGE_CASES)
 @pytest.mark.parametrize("num_new", [1, 4])
 @pytest.mark.parametrize("is_causal", [True, False])
@@ -279,7 +322,9 @@ def test_many_gqa_rows_head_dim_128(backend, merges_in_launch, split_merge_place
     num_kv_heads, capacity = 4, 160
     batch = -(-3 * num_sms(torch.device(device)) // num_kv_heads)  # three (batch, KV head) rows per SM
     if backend == "triton":
-        plan = triton_attention._launch_plan(2, 128, batch * num_kv_heads, capacity, torch.device(device))
+        plan = triton_attention._launch_plan(
+            2, 128, batch * num_kv_heads, capacity, dtype.itemsize, torch.device(device)
+        )
         assert (plan.config.num_warps, plan.num_splits) == (1, 2)
     seq_lens = [int(n) for n in torch.randint(0, capacity, (batch,), generator=generator)]
     seq_lens[0] = 40

@@ -64,6 +64,7 @@ def _attention_with_kv_cache_kernel(
     num_kv_heads,
     num_new,  # S_q
     capacity,  # S_max
+    rows_per_group,  # (batch, KV head) rows per launch-order group (configs.rows_per_launch_group)
     qk_scale,
     window,
     GROUP: tl.constexpr,  # H_q // H_kv
@@ -81,12 +82,20 @@ def _attention_with_kv_cache_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM_PAD >= 16, "tl.dot needs tiles >= 16")
-    # Longest first: under a causal mask the last M blocks see the most keys. Axis 0 varies fastest in launch
-    # order, so the heaviest M block of every (batch, KV head) starts before any lighter one, and the lightest
-    # fill the tail wave (H100 prefill S2k: 0.81x -> 0.92x SDPA against M-major order; NOTES.md, entry 24).
-    pid_bh = tl.program_id(0)
+    # -- launch order --
+    # Longest first, within groups of (batch, KV head) rows whose K/V fit in L2 together. Axis 0 varies fastest
+    # in launch order; the i-th program of a group takes its row i % rows_in_group and, counting from the last,
+    # its M block i // rows_in_group. Every row's heaviest causal block starts before its lighter ones and the
+    # lightest fill the tail wave, while the rows that the running programs stream share L2
+    # (configs.rows_per_launch_group; NOTES.md, entry 24). With one M block (decode) this is the identity.
+    num_rows = tl.num_programs(0)
     num_m_blocks = tl.num_programs(1)
-    pid_m = num_m_blocks - 1 - tl.program_id(1)
+    launch_index = tl.program_id(1) * num_rows + tl.program_id(0)
+    first_row = (launch_index // (rows_per_group * num_m_blocks)) * rows_per_group
+    rows_in_group = tl.minimum(num_rows - first_row, rows_per_group)
+    index_in_group = launch_index - first_row * num_m_blocks
+    pid_bh = first_row + index_in_group % rows_in_group
+    pid_m = num_m_blocks - 1 - index_in_group // rows_in_group
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     batch = (pid_bh // num_kv_heads).to(tl.int64)
@@ -243,22 +252,29 @@ class _LaunchPlan:
     config: configs.AttentionConfig
     num_m_blocks: int
     num_splits: int
+    rows_per_group: int
     head_dim_pad: int  # HEAD_DIM_PAD
     splits_pad: int  # SPLITS_PAD
     merge_rows: int  # MERGE_ROWS
 
 
 @functools.cache
-def _launch_plan(packed_rows: int, head_dim: int, batch_kv_heads: int, capacity: int, device: torch.device):
-    """Config, M blocks and KV splits depend on shapes only, so they are computed once per shape (and so is
-    every ``triton.next_power_of_2``: on triton 3.9 one call per launch cost ~6 us of host time, NOTES.md entry 23)."""
+def _launch_plan(
+    packed_rows: int, head_dim: int, batch_kv_heads: int, capacity: int, element_bytes: int, device: torch.device
+) -> _LaunchPlan:
+    """Config, M blocks, KV splits and launch-order groups depend on shapes only, so they are computed once per
+    shape (and so is every ``triton.next_power_of_2``: on triton 3.9 one call per launch cost ~6 us of host
+    time, NOTES.md entry 23)."""
     config = configs.attention_config(packed_rows, head_dim, batch_kv_heads, device)
     num_m_blocks = triton.cdiv(packed_rows, config.block_m)
     num_splits = configs.num_kv_splits(num_m_blocks * batch_kv_heads, capacity, device, config.kv_splits)
+    rows_per_group = configs.rows_per_launch_group(
+        batch_kv_heads, num_m_blocks, capacity, head_dim, element_bytes, device
+    )
     head_dim_pad = configs.head_dim_padded(head_dim)
     splits_pad = triton.next_power_of_2(num_splits)
     merge_rows = configs.merge_rows(packed_rows, config.block_m, splits_pad, head_dim_pad)
-    return _LaunchPlan(config, num_m_blocks, num_splits, head_dim_pad, splits_pad, merge_rows)
+    return _LaunchPlan(config, num_m_blocks, num_splits, rows_per_group, head_dim_pad, splits_pad, merge_rows)
 
 
 _scratch_by_key: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -338,7 +354,7 @@ def attention_with_kv_cache_triton(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if batch == 0 or num_new == 0:
         return out
-    plan = _launch_plan(num_new * group, head_dim, batch * num_kv_heads, capacity, query.device)
+    plan = _launch_plan(num_new * group, head_dim, batch * num_kv_heads, capacity, k_cache.element_size(), query.device)
     config, num_m_blocks, num_splits = plan.config, plan.num_m_blocks, plan.num_splits
     row_tickets = _scratch("row_tickets", batch, torch.int32, query.device)
     use_last_split_merge = False
@@ -358,7 +374,7 @@ def attention_with_kv_cache_triton(
             query, key, value, k_cache, v_cache, seq_lens, query_lens if query_lens is not None else seq_lens,
             out, partial_out, partial_lse, row_tickets, tile_tickets,
             *query.stride(), *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-            num_kv_heads, num_new, capacity, scale * LOG2_E, sliding_window,
+            num_kv_heads, num_new, capacity, plan.rows_per_group, scale * LOG2_E, sliding_window,
         ),
         dict(
             GROUP=group,

@@ -15,6 +15,8 @@ import triton
 # The interpreter has no SMs. Pretending to have a few makes the small shapes of the CPU test suite take the
 # split-KV path as well as the single-pass path.
 INTERPRETER_NUM_SMS = 8
+# Nor an L2: a small stand-in makes the test shapes run the launch order with several groups, the last one short.
+INTERPRETER_L2_BYTES = 32 * 1024
 # One BLOCK_N tile: a shorter split would only add partial writes to the merge.
 MIN_TOKENS_PER_SPLIT = 64
 MAX_KV_SPLITS = 64
@@ -63,6 +65,30 @@ def attention_config(packed_rows: int, head_dim: int, batch_kv_heads: int, devic
         return AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     # head_dim 256: a 128x256 Q tile plus double-buffered K/V tiles must fit in shared memory.
     return AttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+def rows_per_launch_group(
+    num_rows: int, num_m_blocks: int, capacity: int, head_dim: int, element_bytes: int, device: torch.device
+) -> int:
+    """How many (batch, KV head) rows the attention kernel's launch order interleaves (its ``rows_per_group``).
+
+    Within a group, each row's M blocks start heaviest first, all rows of the group abreast; groups run one after
+    another. All rows in one group shortens the causal tail wave most, but once the K/V that the running programs
+    stream outgrow L2, tiles that later M blocks of a row will read again are evicted. So a group holds as many
+    rows as fit in half of L2. H100 prefill, B1 32/8 D128, same run (NOTES.md, entry 24), against M-major order:
+    S2k 0.79x -> 0.91x SDPA (all 8 rows, 8 MB); S32k 0.815x with one row per group, 0.791x with all 8 (128 MB).
+    """
+    if num_m_blocks == 1:
+        return num_rows  # decode: the order is the identity whatever the group
+    kv_bytes_per_row = 2 * capacity * head_dim * element_bytes
+    return max(1, min(num_rows, l2_bytes(device) // 2 // kv_bytes_per_row))
+
+
+@functools.cache
+def l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_L2_BYTES
+    return torch.cuda.get_device_properties(device).L2_cache_size
 
 
 @functools.cache
