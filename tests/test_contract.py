@@ -242,6 +242,25 @@ def test_launch_order_groups(rows_per_group, monkeypatch, device, generator):
         triton_attention._launch_plan.cache_clear()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("num_new", "cached"), [(150, 0), (40, 150), (1, 190)])
+def test_row_max_jumps_between_key_tiles(backend, num_new, cached, device, generator):
+    """Keys whose scale jumps between 64-key tiles (x1, x1.2, x5, x5 by position), so the online softmax's running
+    row max grows a little, then a lot (~2^14 in exp2 terms), then not at all, across the cached prefix and the
+    new tokens: prefill (128-row M blocks), a chunk on a cache, and decode."""
+    dtype = DTYPES[-1]
+    inputs = make_call_inputs(
+        randn, generator=generator, dtype=dtype, device=device, num_q_heads=4, num_kv_heads=2,
+        num_new=num_new, head_dim=32, capacity=200, seq_lens=[cached], query_lens=[num_new],
+    )  # fmt: skip
+    key_scale = torch.tensor([1.0, 1.2, 5.0, 5.0], dtype=dtype, device=device).repeat_interleave(64)
+    for tensor, first_position in ((inputs.cache[0], 0), (inputs.k_cache_before, 0), (inputs.key, cached)):
+        count = min(tensor.shape[2], key_scale.numel() - first_position)
+        tensor[:, :, :count] *= key_scale[first_position : first_position + count][:, None]
+    out, returned = _call_with_query_lens(inputs, is_causal=True, backend=backend)
+    check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=True)
+
+
 def test_rows_per_launch_group_fits_half_of_l2():
     """Groups hold as many rows as fit in half of L2, at least one and at most all; decode (one M block) keeps
     every row in one group, where the order is the identity."""
