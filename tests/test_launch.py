@@ -12,15 +12,15 @@ from oracle import check_call, make_call_inputs
 import flashcore
 import flashcore.kernels.attention as triton_attention
 from flashcore.kernels.attention import _attention_with_kv_cache_kernel
-from flashcore.kernels.launch import CachedLauncher, _launch_hooks_set
+from flashcore.kernels.launch import CachedLauncher, _launch_hooks_set, uses_programmatic_launch
 
 
 def test_signature_separates_what_triton_specialises_on():
     launcher = CachedLauncher(_attention_with_kv_cache_kernel)
     aligned = torch.zeros(64, dtype=torch.float16)
 
-    def signature(tensor, integer, scale, grid=(1, 1, 1), block=16):
-        return launcher._signature(grid, (tensor, integer, scale), {"BLOCK": block}, 4, 3, device=0)
+    def signature(tensor, integer, scale, grid=(1, 1, 1), block=16, launch_pdl=False):
+        return launcher._signature(grid, (tensor, integer, scale), {"BLOCK": block}, 4, 3, launch_pdl, device=0)
 
     reference = signature(aligned, 16, 0.5)
     assert signature(aligned.clone(), 16, 0.25) == reference  # same dtype and alignment; a float's value is data
@@ -29,7 +29,8 @@ def test_signature_separates_what_triton_specialises_on():
     assert signature(aligned, 17, 0.5) != reference  # % 16 and == 1 are specialised: ints are keyed by value
     assert signature(aligned, 16, 0.5, grid=(2, 1, 1)) != reference
     assert signature(aligned, 16, 0.5, block=32) != reference
-    assert launcher._signature((1, 1, 1), (aligned, 16, 0.5), {"BLOCK": 16}, 4, 3, device=1) != reference
+    assert signature(aligned, 16, 0.5, launch_pdl=True) != reference  # a compile option: its own kernel
+    assert launcher._signature((1, 1, 1), (aligned, 16, 0.5), {"BLOCK": 16}, 4, 3, False, device=1) != reference
     assert signature(aligned, None, 0.5) is None  # an argument it does not key: left to Triton's JIT
 
 
@@ -82,4 +83,9 @@ def test_repeated_calls_alternating_alignment(num_new, device, generator):
         )
         check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=True)
     if torch.device(device).type == "cuda":  # the direct launch was set up (the interpreter always takes the JIT)
-        assert triton_attention._launch_attention._compiled
+        compiled_kernels = [compiled for compiled, _ in triton_attention._launch_attention._compiled.values()]
+        assert compiled_kernels
+        # On Hopper and later every launch is a programmatic dependent launch, the direct one included: the
+        # compiled kernel's own launcher reads the option from its metadata.
+        uses_pdl = uses_programmatic_launch(torch.device(device))
+        assert all(bool(compiled.metadata.launch_pdl) == uses_pdl for compiled in compiled_kernels)

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashcore.kernels import configs
 from flashcore.kernels.common import _attend_tiles, _load_tile
-from flashcore.kernels.launch import CachedLauncher
+from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 from flashcore.kernels.split_kv import _merge_kv_splits, merge_kv_splits
 
 LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
@@ -79,6 +80,7 @@ def _attention_with_kv_cache_kernel(
     USE_LAST_SPLIT_MERGE: tl.constexpr,  # with USE_SPLIT_KV: the tile's last split merges (else a second launch)
     SPLITS_PAD: tl.constexpr,  # USE_LAST_SPLIT_MERGE only: next power of two >= the number of splits
     MERGE_ROWS: tl.constexpr,  # USE_LAST_SPLIT_MERGE only: packed rows merged per step (bounds its registers)
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
     DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM_PAD >= 16, "tl.dot needs tiles >= 16")
@@ -100,6 +102,15 @@ def _attention_with_kv_cache_kernel(
     num_splits = tl.num_programs(2)
     batch = (pid_bh // num_kv_heads).to(tl.int64)
     kv_head = (pid_bh % num_kv_heads).to(tl.int64)
+
+    # -- programmatic dependent launch --
+    # A PDL launch may start before the previous kernel in the stream has finished: nothing above touches memory,
+    # and the wait holds every load and store below until that kernel's writes are visible. Where the split merge
+    # is a second launch (launched the same way), the trigger lets it launch while this one streams the cache.
+    if USE_PDL:
+        gdc_wait()
+        if USE_SPLIT_KV and not USE_LAST_SPLIT_MERGE:
+            gdc_launch_dependents()
 
     # -- row metadata --
     # With check=False seq_lens may be negative or past capacity; reads and writes stay inside the cache.
@@ -368,6 +379,7 @@ def attention_with_kv_cache_triton(
     else:
         tile_tickets = row_tickets  # unused
 
+    use_pdl = uses_programmatic_launch(query.device)
     _launch_attention(
         (batch * num_kv_heads, num_m_blocks, num_splits),
         (
@@ -389,10 +401,12 @@ def attention_with_kv_cache_triton(
             USE_LAST_SPLIT_MERGE=use_last_split_merge,
             SPLITS_PAD=plan.splits_pad,
             MERGE_ROWS=plan.merge_rows,
+            USE_PDL=use_pdl,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=use_pdl,
     )  # fmt: skip
     if num_splits > 1 and not use_last_split_merge:
         merge_kv_splits(partial_out, partial_lse, out, seq_lens, query_lens)

@@ -17,10 +17,26 @@ set them), and non-tensor, non-int, non-float arguments.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 
 MAX_CACHED_SIGNATURES = 4096  # per kernel; a new shape adds one, so only a pathological caller reaches this
+
+
+@functools.cache
+def uses_programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` are launched with programmatic dependent launch (PDL): Hopper and later.
+
+    A PDL launch may start while the previous kernel in the stream still runs; the kernel's ``USE_PDL`` branch
+    waits for it (``gdc_wait``) before its first memory access, so only the launch latency overlaps
+    (benchmarks/NOTES.md, entry 25). The interpreter has no grid dependencies to wait on, and cannot run the wait.
+    """
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def _launch_hooks_set() -> bool:
@@ -39,10 +55,11 @@ def _is_hook_set(hook) -> bool:
 
 
 class CachedLauncher:
-    """Call as ``launcher(grid, args, constexprs, num_warps=..., num_stages=...)``.
+    """Call as ``launcher(grid, args, constexprs, num_warps=..., num_stages=..., launch_pdl=...)``.
 
     ``args`` are the kernel's runtime arguments in signature order (tensors, ints, floats); ``constexprs`` maps
-    every constexpr name to its value.
+    every constexpr name to its value. ``launch_pdl`` is Triton's launch option of that name (a compile option:
+    the compiled kernel's launcher then sets the launch attribute itself).
     """
 
     def __init__(self, kernel) -> None:
@@ -50,17 +67,19 @@ class CachedLauncher:
         self._constexpr_names = None  # in signature order, read from the kernel on first use
         self._compiled: dict[tuple, tuple] = {}
 
-    def __call__(self, grid: tuple, args: tuple, constexprs: dict, *, num_warps: int, num_stages: int) -> None:
+    def __call__(
+        self, grid: tuple, args: tuple, constexprs: dict, *, num_warps: int, num_stages: int, launch_pdl: bool = False
+    ) -> None:
         if not args[0].is_cuda or _launch_hooks_set():
-            self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            self._launch_through_jit(grid, args, constexprs, num_warps, num_stages, launch_pdl)
             return
         # Triton launches on the current device's current stream, whatever device the tensors are on: so does
         # the direct launch, and the device is part of the signature because the compiled function is per device.
         device = torch.cuda.current_device()
-        key = self._signature(grid, args, constexprs, num_warps, num_stages, device)
+        key = self._signature(grid, args, constexprs, num_warps, num_stages, launch_pdl, device)
         entry = self._compiled.get(key) if key is not None else None
         if entry is None:
-            compiled = self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            compiled = self._launch_through_jit(grid, args, constexprs, num_warps, num_stages, launch_pdl)
             if key is not None:
                 self._remember(key, compiled, constexprs)
             return
@@ -73,14 +92,19 @@ class CachedLauncher:
             *args, *constexpr_values,
         )  # fmt: skip
 
-    def _signature(self, grid, args, constexprs, num_warps, num_stages, device: int) -> tuple | None:
+    def _launch_through_jit(self, grid, args, constexprs, num_warps, num_stages, launch_pdl):
+        # Only a PDL launch names the option, so a kernel launched without it compiles as it always did.
+        options = {"launch_pdl": True} if launch_pdl else {}
+        return self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options)
+
+    def _signature(self, grid, args, constexprs, num_warps, num_stages, launch_pdl, device: int) -> tuple | None:
         """The launch's signature, or None for an argument type this does not key (the JIT path takes it).
 
         Exact type tests rather than isinstance: this runs on every eager call, over ~46 arguments, and on the
         device machine's host the isinstance chain was several microseconds of it (NOTES.md, entry 23).
         Subclasses (a bool, a tensor subclass) are not keyed and take the JIT path.
         """
-        key = [grid, num_warps, num_stages, device, *constexprs.values()]
+        key = [grid, num_warps, num_stages, launch_pdl, device, *constexprs.values()]
         append = key.append
         for arg in args:
             kind = type(arg)

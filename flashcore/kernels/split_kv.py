@@ -16,8 +16,9 @@ walking the splits with dependent loads was a serial chain of L2 latencies (entr
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
-from flashcore.kernels.launch import CachedLauncher
+from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 
 
 @triton.jit
@@ -88,12 +89,17 @@ def _merge_kv_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HAS_QUERY_LENS: tl.constexpr,
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
 ):
     """One program per (batch, q head, token) row. Launched after the attention kernel, which has then read
     seq_lens in every program (stream order), so advancing it here cannot race a reader."""
     pid_row = tl.program_id(0)  # over H_q * S_q
     batch = tl.program_id(1).to(tl.int64)
     rows = batch * rows_per_batch + pid_row + tl.arange(0, 1)
+    if USE_PDL:
+        # This launch may start while the attention kernel still runs: wait for all of it (its partials, and
+        # its last reads of seq_lens) before the first load.
+        gdc_wait()
     _merge_kv_splits(
         partial_out_ptr, partial_lse_ptr, out_ptr, rows, tl.full([1], 1, tl.int1), num_splits,
         HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, 1,
@@ -119,6 +125,7 @@ def merge_kv_splits(
     """Writes ``out`` from the partials of :func:`attention_with_kv_cache_triton` and advances ``seq_lens``."""
     batch, num_q_heads, num_new, head_dim = out.shape
     num_splits = partial_out.shape[1]
+    use_pdl = uses_programmatic_launch(out.device)
     _launch_merge(
         (num_q_heads * num_new, batch, 1),
         (
@@ -130,7 +137,9 @@ def merge_kv_splits(
             HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HAS_QUERY_LENS=query_lens is not None,
+            USE_PDL=use_pdl,
         ),
         num_warps=4 if head_dim > 64 else 2,
         num_stages=3,
+        launch_pdl=use_pdl,
     )  # fmt: skip
