@@ -246,8 +246,8 @@ def test_launch_order_groups(rows_per_group, monkeypatch, device, generator):
 @pytest.mark.parametrize(("num_new", "cached"), [(150, 0), (40, 150), (1, 190)])
 def test_row_max_jumps_between_key_tiles(backend, num_new, cached, device, generator):
     """Keys whose scale jumps between 64-key tiles (x1, x1.2, x5, x5 by position), so the online softmax's running
-    row max grows a little, then a lot (~2^14 in exp2 terms), then not at all, across the cached prefix and the
-    new tokens: prefill (128-row M blocks), a chunk on a cache, and decode."""
+    row max grows a little, then a lot (keys x5: scores of standard deviation ~5), then not at all, across the
+    cached prefix and the new tokens: prefill (128-row M blocks), a chunk on a cache, and decode."""
     dtype = DTYPES[-1]
     inputs = make_call_inputs(
         randn, generator=generator, dtype=dtype, device=device, num_q_heads=4, num_kv_heads=2,
