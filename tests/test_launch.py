@@ -49,6 +49,28 @@ def test_empty_hook_chain_is_no_hook(monkeypatch):
     assert not _launch_hooks_set()
 
 
+@pytest.mark.parametrize(
+    ("device_type", "capability", "interpreter", "expected"),
+    [
+        ("cuda", (9, 0), "0", True),  # Hopper: griddepcontrol exists
+        ("cuda", (10, 0), "0", True),
+        ("cuda", (8, 0), "0", False),  # Ampere: the PTX would not assemble
+        ("cuda", (9, 0), "1", False),  # the interpreter cannot run gdc_wait
+        ("cpu", None, "0", False),
+    ],
+)
+def test_programmatic_launch_only_where_it_runs(device_type, capability, interpreter, expected, monkeypatch):
+    """Kernels are launched with PDL (and compiled with their gdc_wait branch) only on sm_90+ outside the
+    interpreter; everywhere else the USE_PDL branch is compiled out."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpreter)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    uses_programmatic_launch.cache_clear()
+    try:
+        assert uses_programmatic_launch(torch.device(device_type, 0)) is expected
+    finally:
+        uses_programmatic_launch.cache_clear()
+
+
 def _misaligned_copy(tensor: torch.Tensor) -> torch.Tensor:
     """The same values in storage that starts one element (2 bytes) past a 16-byte boundary."""
     storage = torch.empty(tensor.numel() + 1, dtype=tensor.dtype, device=tensor.device)
