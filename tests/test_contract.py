@@ -20,7 +20,7 @@ from oracle import CallInputs, check_call, make_call_inputs
 import flashcore
 import flashcore.kernels.attention as triton_attention
 import flashcore.ops
-from flashcore.kernels.configs import num_sms
+from flashcore.kernels.configs import NEW_TOKENS_TILE, num_sms
 
 BACKENDS = ["torch", "triton"]
 # The triton backend merges a split prefix either in the attention launch (eager) or in a second launch
@@ -209,6 +209,37 @@ def test_long_prefill(backend, head_dim, is_causal, sliding_window, device, gene
         query_lens=query_lens,
     )
     out, returned = _call_with_query_lens(inputs, is_causal=is_causal, sliding_window=sliding_window, backend=backend)
+    check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=is_causal, sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("num_new", [NEW_TOKENS_TILE, NEW_TOKENS_TILE + 1])
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("sliding_window", [None, 7])
+def test_new_tokens_one_tile_or_loop(num_new, is_causal, sliding_window, device, generator):
+    """Both ways the triton kernel attends to the new tokens: as one tile loaded before the cached prefix
+    (at most NEW_TOKENS_TILE of them) and through the tiled loop (one more), with rows of fewer valid new
+    tokens, an empty cache, a window edge among the new tokens and one in the cache. GQA 16/2 packs 128 rows at
+    NEW_TOKENS_TILE tokens: the prefill-sized M tile meets the one-tile path."""
+    dtype = DTYPES[-1]
+    capacity = num_new + 90
+    seq_lens = [int(torch.randint(20, 90, (1,), generator=generator)), 0, 90]
+    query_lens = [num_new, 3, num_new - 5]
+    inputs = make_call_inputs(
+        randn,
+        generator=generator,
+        dtype=dtype,
+        device=device,
+        num_q_heads=16,
+        num_kv_heads=2,
+        num_new=num_new,
+        head_dim=64,
+        capacity=capacity,
+        seq_lens=seq_lens,
+        query_lens=query_lens,
+    )
+    out, returned = _call_with_query_lens(
+        inputs, is_causal=is_causal, sliding_window=sliding_window, backend="triton"
+    )
     check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=is_causal, sliding_window=sliding_window)
 
 

@@ -21,7 +21,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashcore.kernels import configs
-from flashcore.kernels.common import _attend_tiles, _load_tile
+from flashcore.kernels.common import _attend_loaded_tile, _attend_tiles, _load_tile
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 from flashcore.kernels.split_kv import _merge_kv_splits, merge_kv_splits
 
@@ -82,6 +82,7 @@ def _attention_with_kv_cache_kernel(
     MERGE_ROWS: tl.constexpr,  # USE_LAST_SPLIT_MERGE only: packed rows merged per step (bounds its registers)
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
     DOT_PRECISION: tl.constexpr,
+    NEW_TILE: tl.constexpr,  # > 0: every new token fits one key tile of this size (configs.new_tokens_tile)
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and HEAD_DIM_PAD >= 16, "tl.dot needs tiles >= 16")
     # -- launch order --
@@ -158,6 +159,20 @@ def _attention_with_kv_cache_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     is_block_live = first_token < row_new  # a block of padding rows only writes zeros
 
+    # -- which new tokens the block sees as keys (the last split owns them) --
+    new_hi = tl.where(is_block_live & (split == num_splits - 1), last_token + 1, 0)
+    if not IS_CAUSAL:
+        new_hi = tl.where(new_hi > 0, row_new, 0)
+    if NEW_TILE > 0:
+        # Decode-sized calls load the new tokens' K/V here, before the cached prefix streams, so that the load's
+        # latency hides behind that loop rather than following it (NOTES.md, entry 27).
+        new_cols = tl.arange(0, NEW_TILE)
+        is_new_key = new_cols < new_hi
+        k_new_offsets = new_cols[:, None] * stride_k_s + offs_d[None, :] * stride_k_d
+        v_new_offsets = new_cols[:, None] * stride_v_s + offs_d[None, :] * stride_v_d
+        k_new_tile = _load_tile(k_new_ptr + k_new_offsets, is_new_key, mask_d, True, HAS_D_MASK)
+        v_new_tile = _load_tile(v_new_ptr + v_new_offsets, is_new_key, mask_d, True, HAS_D_MASK)
+
     # -- attend: cached prefix, no mask --
     # Every cached position precedes every new token, so the causal mask never bites here; only the tail
     # tile (length) and, with a window, the window's lower edge are masked.
@@ -179,27 +194,31 @@ def _attention_with_kv_cache_kernel(
         BLOCK_N, HAS_D_MASK, True, False, USE_WINDOW, DOT_PRECISION,
     )  # fmt: skip
 
-    # -- attend: new tokens, straight from key/value (the last split owns them) --
-    new_hi = tl.where(is_block_live & (split == num_splits - 1), last_token + 1, 0)
-    if IS_CAUSAL:
-        # Keys before the block's first token are visible to all its rows: no mask off the diagonal band.
-        band_lo = tl.minimum((first_token // BLOCK_N) * BLOCK_N, new_hi)
+    # -- attend: new tokens, straight from key/value --
+    if NEW_TILE > 0:
+        acc, m_i, l_i = _attend_loaded_tile(
+            acc, m_i, l_i, q, k_new_tile, v_new_tile, new_cols, is_new_key, seq_len, query_pos, qk_scale, window,
+            IS_CAUSAL, USE_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
     else:
-        new_hi = tl.where(new_hi > 0, row_new, 0)
-        band_lo = (new_hi // BLOCK_N) * BLOCK_N
-    new_lo = 0
-    if USE_WINDOW:
-        new_lo = tl.minimum(tl.maximum(0, ((first_token - window + 1) // BLOCK_N) * BLOCK_N), band_lo)
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_new_ptr, v_new_ptr, stride_k_s, stride_k_d, stride_v_s, stride_v_d,
-        new_lo, band_lo, row_new, seq_len, query_pos, qk_scale, window, offs_d, mask_d,
-        BLOCK_N, HAS_D_MASK, False, False, USE_WINDOW, DOT_PRECISION,
-    )  # fmt: skip
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_new_ptr, v_new_ptr, stride_k_s, stride_k_d, stride_v_s, stride_v_d,
-        band_lo, new_hi, new_hi, seq_len, query_pos, qk_scale, window, offs_d, mask_d,
-        BLOCK_N, HAS_D_MASK, True, IS_CAUSAL, USE_WINDOW, DOT_PRECISION,
-    )  # fmt: skip
+        if IS_CAUSAL:
+            # Keys before the block's first token are visible to all its rows: no mask off the diagonal band.
+            band_lo = tl.minimum((first_token // BLOCK_N) * BLOCK_N, new_hi)
+        else:
+            band_lo = (new_hi // BLOCK_N) * BLOCK_N
+        new_lo = 0
+        if USE_WINDOW:
+            new_lo = tl.minimum(tl.maximum(0, ((first_token - window + 1) // BLOCK_N) * BLOCK_N), band_lo)
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_new_ptr, v_new_ptr, stride_k_s, stride_k_d, stride_v_s, stride_v_d,
+            new_lo, band_lo, row_new, seq_len, query_pos, qk_scale, window, offs_d, mask_d,
+            BLOCK_N, HAS_D_MASK, False, False, USE_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_new_ptr, v_new_ptr, stride_k_s, stride_k_d, stride_v_s, stride_v_d,
+            band_lo, new_hi, new_hi, seq_len, query_pos, qk_scale, window, offs_d, mask_d,
+            BLOCK_N, HAS_D_MASK, True, IS_CAUSAL, USE_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
 
     # -- epilogue --
     # Rows past query_lens, and rows that saw no key at all (an empty split), produce exactly 0.
@@ -403,6 +422,7 @@ def attention_with_kv_cache_triton(
             MERGE_ROWS=plan.merge_rows,
             USE_PDL=use_pdl,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            NEW_TILE=configs.new_tokens_tile(num_new),
         ),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -56,25 +56,53 @@ def _attend_tiles(
         k_offsets = cols[:, None] * stride_k_n + offs_d[None, :] * stride_k_d
         k = _load_tile(k_ptr + k_offsets, mask_n, mask_d, MASK_LENGTH, HAS_D_MASK)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASK_LENGTH or MASK_CAUSAL or MASK_WINDOW:
-            key_pos = key_pos0 + cols
-            is_visible = tl.full(scores.shape, 1, tl.int1)
-            if MASK_LENGTH:
-                is_visible = is_visible & mask_n[None, :]
-            if MASK_CAUSAL:
-                is_visible = is_visible & (key_pos[None, :] <= query_pos[:, None])
-            if MASK_WINDOW:
-                is_visible = is_visible & (key_pos[None, :] > query_pos[:, None] - window)
-            scores = tl.where(is_visible, scores, float("-inf"))
-        # The scale is applied inside exp2's argument so that it fuses with the max subtraction (one FMA).
-        m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
-        # A row with nothing visible yet keeps m = -inf; shifting by 0 instead keeps exp2 finite (0, not NaN).
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(scores * qk_scale - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _online_softmax(
+            scores, m_i, l_i, cols, mask_n, key_pos0, query_pos, qk_scale, window, MASK_LENGTH, MASK_CAUSAL, MASK_WINDOW
+        )
         v_offsets = cols[:, None] * stride_v_n + offs_d[None, :] * stride_v_d
         v = _load_tile(v_ptr + v_offsets, mask_n, mask_d, MASK_LENGTH, HAS_D_MASK)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_loaded_tile(
+    acc, m_i, l_i, q, k, v, cols, mask_n, key_pos0, query_pos, qk_scale, window,
+    MASK_CAUSAL: tl.constexpr, MASK_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over a K/V tile already in registers (keys ``cols``, valid where ``mask_n``)."""
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    p, alpha, m_i, l_i = _online_softmax(
+        scores, m_i, l_i, cols, mask_n, key_pos0, query_pos, qk_scale, window, True, MASK_CAUSAL, MASK_WINDOW
+    )
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _online_softmax(
+    scores, m_i, l_i, cols, mask_n, key_pos0, query_pos, qk_scale, window,
+    MASK_LENGTH: tl.constexpr, MASK_CAUSAL: tl.constexpr, MASK_WINDOW: tl.constexpr,
+):  # fmt: skip
+    """Masks one tile's raw scores and folds them into the running row max and sum.
+
+    Returns the tile's unnormalised probabilities, the factor that rescales what was accumulated before, and
+    the new max and sum."""
+    if MASK_LENGTH or MASK_CAUSAL or MASK_WINDOW:
+        key_pos = key_pos0 + cols
+        is_visible = tl.full(scores.shape, 1, tl.int1)
+        if MASK_LENGTH:
+            is_visible = is_visible & mask_n[None, :]
+        if MASK_CAUSAL:
+            is_visible = is_visible & (key_pos[None, :] <= query_pos[:, None])
+        if MASK_WINDOW:
+            is_visible = is_visible & (key_pos[None, :] > query_pos[:, None] - window)
+        scores = tl.where(is_visible, scores, float("-inf"))
+    # The scale is applied inside exp2's argument so that it fuses with the max subtraction (one FMA).
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)
+    # A row with nothing visible yet keeps m = -inf; shifting by 0 instead keeps exp2 finite (0, not NaN).
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(scores * qk_scale - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i

@@ -20,6 +20,8 @@ INTERPRETER_L2_BYTES = 32 * 1024
 # One BLOCK_N tile: a shorter split would only add partial writes to the merge.
 MIN_TOKENS_PER_SPLIT = 64
 MAX_KV_SPLITS = 64
+# Calls with at most this many new tokens load them as one K/V tile before the cached prefix (new_tokens_tile).
+NEW_TOKENS_TILE = 16
 # fp32 elements of partial outputs one merge step holds: 64 registers per thread at 4 warps.
 MERGE_TILE_ELEMENTS = 8192
 
@@ -65,6 +67,17 @@ def attention_config(packed_rows: int, head_dim: int, batch_kv_heads: int, devic
         return AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     # head_dim 256: a 128x256 Q tile plus double-buffered K/V tiles must fit in shared memory.
     return AttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+def new_tokens_tile(num_new: int) -> int:
+    """Keys in the one tile that holds all of a call's new tokens, or 0 where they need the tiled loop.
+
+    With few new tokens (decode), the kernel loads their K/V before streaming the cached prefix and attends to
+    them after it, so the load's latency overlaps the stream. H100 graph replay, same run (NOTES.md, entry 27):
+    B32 L1k 58.3 -> 56.6 us, B1 L32k 53.3 -> 52.2, smol B64 L4k 78.7 -> 77.4. 16 is the smallest tile
+    ``tl.dot`` takes; more new tokens than that take the loop, whose tiles are pipelined.
+    """
+    return NEW_TOKENS_TILE if num_new <= NEW_TOKENS_TILE else 0
 
 
 def rows_per_launch_group(
