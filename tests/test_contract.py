@@ -237,9 +237,7 @@ def test_new_tokens_one_tile_or_loop(num_new, is_causal, sliding_window, device,
         seq_lens=seq_lens,
         query_lens=query_lens,
     )
-    out, returned = _call_with_query_lens(
-        inputs, is_causal=is_causal, sliding_window=sliding_window, backend="triton"
-    )
+    out, returned = _call_with_query_lens(inputs, is_causal=is_causal, sliding_window=sliding_window, backend="triton")
     check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=is_causal, sliding_window=sliding_window)
 
 
