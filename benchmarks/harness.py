@@ -41,6 +41,10 @@ MAX_ROTATION_SETS = 32
 # torch.cuda._sleep argument, in GPU clock cycles: ~25 ms at the H100's 1.98 GHz, longer than the host
 # needs to issue the 128 calls of a host-time sample, so the device never stalls the host.
 HOST_TIMING_SLEEP_CYCLES = 50_000_000
+# Queued after each L2 flush, outside the events: ~250 us at 1.98 GHz, more than the host needs to issue the reset,
+# the flush, the events and one eager call (40-80 us at decode sizes), so the call is always queued before its start
+# event runs and the events time the device alone (benchmarks/NOTES.md, entry 28).
+TIMED_CALL_LEAD_CYCLES = 500_000
 
 
 def resolve_out_dir(out: str | None) -> Path:
@@ -182,12 +186,16 @@ class CudaTimer:
 
     def _before_timed_call(self, reset: Callable[[], None]) -> None:
         reset()
-        # Besides emptying L2, the ~90 µs pass keeps the GPU busy while the host issues the timed call, so
-        # the events measure device time, as do_bench does; host cost is measured separately (host_us).
         if self.l2_flush == "read":
             torch.amax(self._flush_buffer, dim=0, out=self._flush_sink)
         else:
             self._flush_buffer.zero_()
+        # The flush alone (~90 µs) was meant to keep the GPU busy while the host issues the timed call, but an
+        # eager decode call takes the host 40-80 µs to issue, and with the reset before it the GPU sometimes
+        # reached the start event first: host time then leaked into the device time (up to 24 µs between
+        # repetitions, one row at 211.8 µs against 17-22; NOTES.md, entry 27). The sleep keeps the device behind
+        # the host; host cost is measured separately (host_us).
+        torch.cuda._sleep(TIMED_CALL_LEAD_CYCLES)
 
     def eager_us(self, call: Callable[[], object], reset: Callable[[], None], warmup: int = 3) -> float:
         """Median device time of one eager call, cold L2, state reset before each call."""
