@@ -295,7 +295,7 @@ def _launch_plan(
     """Config, M blocks, KV splits and launch-order groups depend on shapes only, so they are computed once per
     shape (and so is every ``triton.next_power_of_2``: on triton 3.9 one call per launch cost ~6 us of host
     time, NOTES.md entry 23)."""
-    config = configs.attention_config(packed_rows, head_dim, batch_kv_heads, device)
+    config = configs.attention_config(packed_rows, head_dim, batch_kv_heads, element_bytes, device)
     num_m_blocks = triton.cdiv(packed_rows, config.block_m)
     num_splits = configs.num_kv_splits(num_m_blocks * batch_kv_heads, capacity, device, config.kv_splits)
     rows_per_group = configs.rows_per_launch_group(

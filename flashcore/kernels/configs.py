@@ -40,12 +40,15 @@ def head_dim_padded(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def attention_config(packed_rows: int, head_dim: int, batch_kv_heads: int, device: torch.device) -> AttentionConfig:
+def attention_config(
+    packed_rows: int, head_dim: int, batch_kv_heads: int, element_bytes: int, device: torch.device
+) -> AttentionConfig:
     """Decode-like calls (few packed rows) use one small M tile and stream K/V; prefill uses FA2-size tiles.
 
     ``packed_rows = S_q * group``: the new tokens times the query heads that share one KV head.
     """
     head_dim_pad = head_dim_padded(head_dim)
+    row_bytes = head_dim_pad * element_bytes  # one K or V row in shared memory
     if packed_rows <= 64:
         block_m = max(16, triton.next_power_of_2(packed_rows))
         # GQA decode with three or more programs per SM: fewer registers and less shared memory per program
@@ -60,11 +63,15 @@ def attention_config(packed_rows: int, head_dim: int, batch_kv_heads: int, devic
         if is_many_gqa_programs and head_dim_pad == 128:
             return AttentionConfig(block_m=block_m, block_n=32, num_warps=1, num_stages=2, kv_splits=2)
         block_n = 32 if is_many_gqa_programs or head_dim_pad > 128 else 64
-        return AttentionConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=3)
+        # fp32 at head dim 256 (1 KB rows): a 64-row Q tile, the new tokens' K/V tile and 3 K/V stages needed 232 KB
+        # of shared memory, past the H100's 227 KB (NOTES.md, entry 28); 2 stages fit.
+        num_stages = 2 if row_bytes > 512 else 3
+        return AttentionConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=num_stages)
     if head_dim_pad <= 64:
         return AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     if head_dim_pad <= 128:
-        return AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+        # fp32 (512 B rows) with the new tokens' tile: 246 KB with 3 stages (NOTES.md, entry 28); 2 stages fit.
+        return AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2 if row_bytes > 256 else 3)
     # head_dim 256: a 128x256 Q tile plus double-buffered K/V tiles must fit in shared memory.
     return AttentionConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
