@@ -23,6 +23,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from flashcore.kernels import configs
 from flashcore.kernels.common import _attend_loaded_tile, _attend_tiles, _load_tile
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
+from flashcore.kernels.scratch import scratch_buffer, split_partials
 from flashcore.kernels.split_kv import _merge_kv_splits, merge_kv_splits
 
 LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
@@ -307,56 +308,6 @@ def _launch_plan(
     return _LaunchPlan(config, num_m_blocks, num_splits, rows_per_group, head_dim_pad, splits_pad, merge_rows)
 
 
-_scratch_by_key: dict[tuple[str, torch.device], torch.Tensor] = {}
-_retired_scratch: list[torch.Tensor] = []
-
-
-def _scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A persistent per-device buffer of at least ``numel`` elements, reused across calls.
-
-    Reuse saves an allocation per call; launches on one stream run in order, so calls never share it at
-    the same time (two streams running flashcore at once on one device are not supported). Buffers are
-    never freed, because a captured CUDA graph may still hold their address. A buffer first needed while a
-    graph is being captured is allocated for that graph only (its zeroing becomes a node of the graph).
-    The ticket buffers (``"row_tickets"``, ``"tile_tickets"``) are allocated zeroed, and every launch leaves
-    them zeroed.
-    """
-    buffer = _scratch_by_key.get((name, device))
-    if buffer is not None and buffer.numel() >= numel:
-        return buffer
-    buffer = torch.zeros(max(numel, 1024), dtype=dtype, device=device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        old = _scratch_by_key.get((name, device))
-        if old is not None:
-            _retired_scratch.append(old)
-        _scratch_by_key[(name, device)] = buffer
-    return buffer
-
-
-_partial_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _split_partials(rows: int, num_splits: int, head_dim: int, device: torch.device):
-    """Views ``[rows, splits, D]`` (outputs) and ``[rows, splits]`` (LSEs) into the persistent scratch buffer.
-
-    The views are cached per shape: slicing and viewing cost a few microseconds of host time per call, which is
-    most of what an eager decode call is.
-    """
-    buffer = _scratch("partials", rows * num_splits * (head_dim + 1), torch.float32, device)
-    key = (id(buffer), rows, num_splits, head_dim)
-    views = _partial_views.get(key)
-    if views is None:
-        out_numel = rows * num_splits * head_dim
-        views = (
-            buffer[:out_numel].view(rows, num_splits, head_dim),
-            buffer[out_numel : out_numel + rows * num_splits].view(rows, num_splits),
-        )
-        # A buffer allocated during graph capture belongs to that graph alone (see _scratch): not cached.
-        if _scratch_by_key.get(("partials", device)) is buffer:
-            _partial_views[key] = views
-    return views
-
-
 def merges_in_attention_launch(device: torch.device) -> bool:
     """Where a split prefix is merged: in the attention launch when running eagerly, where a second launch's
     host cost dominates; in a second launch while a CUDA graph is captured, because replay has no host cost and
@@ -386,15 +337,15 @@ def attention_with_kv_cache_triton(
         return out
     plan = _launch_plan(num_new * group, head_dim, batch * num_kv_heads, capacity, k_cache.element_size(), query.device)
     config, num_m_blocks, num_splits = plan.config, plan.num_m_blocks, plan.num_splits
-    row_tickets = _scratch("row_tickets", batch, torch.int32, query.device)
+    row_tickets = scratch_buffer("row_tickets", batch, torch.int32, query.device)
     use_last_split_merge = False
     if num_splits > 1:
-        partial_out, partial_lse = _split_partials(batch * num_q_heads * num_new, num_splits, head_dim, query.device)
+        partial_out, partial_lse = split_partials(batch * num_q_heads * num_new, num_splits, head_dim, query.device)
         use_last_split_merge = merges_in_attention_launch(query.device)
     else:
         partial_out = partial_lse = out  # unused without USE_SPLIT_KV
     if use_last_split_merge:
-        tile_tickets = _scratch("tile_tickets", num_m_blocks * batch * num_kv_heads, torch.int32, query.device)
+        tile_tickets = scratch_buffer("tile_tickets", num_m_blocks * batch * num_kv_heads, torch.int32, query.device)
     else:
         tile_tickets = row_tickets  # unused
 

@@ -1,0 +1,54 @@
+"""Persistent per-device scratch: the split-KV partials and the ticket counters the decode kernels share."""
+
+from __future__ import annotations
+
+import torch
+
+_scratch_by_key: dict[tuple[str, torch.device], torch.Tensor] = {}
+_retired_scratch: list[torch.Tensor] = []
+
+
+def scratch_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A persistent per-device buffer of at least ``numel`` elements, reused across calls.
+
+    Reuse saves an allocation per call; launches on one stream run in order, so calls never share it at
+    the same time (two streams running flashcore at once on one device are not supported). Buffers are
+    never freed, because a captured CUDA graph may still hold their address. A buffer first needed while a
+    graph is being captured is allocated for that graph only (its zeroing becomes a node of the graph).
+    The ticket buffers (``"row_tickets"``, ``"tile_tickets"``) are allocated zeroed, and every launch leaves
+    them zeroed.
+    """
+    buffer = _scratch_by_key.get((name, device))
+    if buffer is not None and buffer.numel() >= numel:
+        return buffer
+    buffer = torch.zeros(max(numel, 1024), dtype=dtype, device=device)
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        old = _scratch_by_key.get((name, device))
+        if old is not None:
+            _retired_scratch.append(old)
+        _scratch_by_key[(name, device)] = buffer
+    return buffer
+
+
+_partial_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_partials(rows: int, num_splits: int, head_dim: int, device: torch.device):
+    """Views ``[rows, splits, D]`` (outputs) and ``[rows, splits]`` (LSEs) into the persistent scratch buffer.
+
+    The views are cached per shape: slicing and viewing cost a few microseconds of host time per call, which is
+    most of what an eager decode call is.
+    """
+    buffer = scratch_buffer("partials", rows * num_splits * (head_dim + 1), torch.float32, device)
+    key = (id(buffer), rows, num_splits, head_dim)
+    views = _partial_views.get(key)
+    if views is None:
+        out_numel = rows * num_splits * head_dim
+        views = (
+            buffer[:out_numel].view(rows, num_splits, head_dim),
+            buffer[out_numel : out_numel + rows * num_splits].view(rows, num_splits),
+        )
+        # A buffer allocated during graph capture belongs to that graph alone (see scratch_buffer): not cached.
+        if _scratch_by_key.get(("partials", device)) is buffer:
+            _partial_views[key] = views
+    return views
