@@ -12,15 +12,16 @@ from oracle import check_call, make_call_inputs
 import flashcore
 import flashcore.kernels.attention as triton_attention
 from flashcore.kernels.attention import _attention_with_kv_cache_kernel
-from flashcore.kernels.launch import CachedLauncher, _launch_hooks_set, uses_programmatic_launch
+from flashcore.kernels.launch import CachedLauncher, TensorDescriptor, _launch_hooks_set, uses_programmatic_launch
 
 
 def test_signature_separates_what_triton_specialises_on():
     launcher = CachedLauncher(_attention_with_kv_cache_kernel)
     aligned = torch.zeros(64, dtype=torch.float16)
 
-    def signature(tensor, integer, scale, grid=(1, 1, 1), block=16, launch_pdl=False):
-        return launcher._signature(grid, (tensor, integer, scale), {"BLOCK": block}, 4, 3, launch_pdl, device=0)
+    def signature(tensor, integer, scale, grid=(1, 1, 1), block=16, device=0, **options):
+        options = dict(num_warps=4, num_stages=3, **options)
+        return launcher._signature(grid, (tensor, integer, scale), {"BLOCK": block}, options, device=device)
 
     reference = signature(aligned, 16, 0.5)
     assert signature(aligned.clone(), 16, 0.25) == reference  # same dtype and alignment; a float's value is data
@@ -29,9 +30,31 @@ def test_signature_separates_what_triton_specialises_on():
     assert signature(aligned, 17, 0.5) != reference  # % 16 and == 1 are specialised: ints are keyed by value
     assert signature(aligned, 16, 0.5, grid=(2, 1, 1)) != reference
     assert signature(aligned, 16, 0.5, block=32) != reference
-    assert signature(aligned, 16, 0.5, launch_pdl=True) != reference  # a compile option: its own kernel
-    assert launcher._signature((1, 1, 1), (aligned, 16, 0.5), {"BLOCK": 16}, 4, 3, False, device=1) != reference
+    # Compile options: each its own kernel, and keyed by name (True == 1 must not make two options collide).
+    assert signature(aligned, 16, 0.5, launch_pdl=True) != reference
+    assert signature(aligned, 16, 0.5, launch_pdl=True) != signature(aligned, 16, 0.5, maxnreg=1)
+    assert signature(aligned, 16, 0.5, device=1) != reference
     assert signature(aligned, None, 0.5) is None  # an argument it does not key: left to Triton's JIT
+
+
+@pytest.mark.skipif(TensorDescriptor is None, reason="triton without Gluon's host TMA descriptors")
+def test_signature_keys_tma_descriptors_on_dtype_and_block():
+    from triton.experimental.gluon import language as gl
+
+    launcher = CachedLauncher(_attention_with_kv_cache_kernel)
+    layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+    options = dict(num_warps=4, num_stages=2)
+
+    def signature(cache, block_rows=64):
+        descriptor = TensorDescriptor.from_tensor(cache, [block_rows, 128], layout)
+        return launcher._signature((1, 1, 1), (cache, descriptor), {}, options, device=0)
+
+    cache = torch.zeros(256, 128, dtype=torch.bfloat16)
+    reference = signature(cache)
+    assert reference is not None
+    assert signature(torch.zeros(512, 128, dtype=torch.bfloat16)) == reference  # shape and base: runtime values
+    assert signature(cache, block_rows=32) != reference
+    assert signature(cache.half()) != reference
 
 
 @pytest.mark.skipif(not hasattr(triton.knobs.runtime.launch_enter_hook, "calls"), reason="triton without HookChain")

@@ -23,6 +23,11 @@ import os
 import torch
 import triton
 
+try:  # host-side TMA descriptors, the warp-specialised decode kernel's K/V arguments
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
+
 MAX_CACHED_SIGNATURES = 4096  # per kernel; a new shape adds one, so only a pathological caller reaches this
 
 
@@ -55,11 +60,11 @@ def _is_hook_set(hook) -> bool:
 
 
 class CachedLauncher:
-    """Call as ``launcher(grid, args, constexprs, num_warps=..., num_stages=..., launch_pdl=...)``.
+    """Call as ``launcher(grid, args, constexprs, num_warps=..., num_stages=..., launch_pdl=..., maxnreg=...)``.
 
-    ``args`` are the kernel's runtime arguments in signature order (tensors, ints, floats); ``constexprs`` maps
-    every constexpr name to its value. ``launch_pdl`` is Triton's launch option of that name (a compile option:
-    the compiled kernel's launcher then sets the launch attribute itself).
+    ``args`` are the kernel's runtime arguments in signature order (tensors, TMA descriptors, ints, floats);
+    ``constexprs`` maps every constexpr name to its value. ``launch_pdl`` and ``maxnreg`` are Triton's compile
+    options of those names (the compiled kernel's launcher then sets the launch attributes itself).
     """
 
     def __init__(self, kernel) -> None:
@@ -68,18 +73,32 @@ class CachedLauncher:
         self._compiled: dict[tuple, tuple] = {}
 
     def __call__(
-        self, grid: tuple, args: tuple, constexprs: dict, *, num_warps: int, num_stages: int, launch_pdl: bool = False
+        self,
+        grid: tuple,
+        args: tuple,
+        constexprs: dict,
+        *,
+        num_warps: int,
+        num_stages: int,
+        launch_pdl: bool = False,
+        maxnreg: int | None = None,
     ) -> None:
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+        # Only a launch that names an option passes it, so a kernel launched without it compiles as it always did.
+        if launch_pdl:
+            options["launch_pdl"] = True
+        if maxnreg is not None:
+            options["maxnreg"] = maxnreg
         if not args[0].is_cuda or _launch_hooks_set():
-            self._launch_through_jit(grid, args, constexprs, num_warps, num_stages, launch_pdl)
+            self._launch_through_jit(grid, args, constexprs, options)
             return
         # Triton launches on the current device's current stream, whatever device the tensors are on: so does
         # the direct launch, and the device is part of the signature because the compiled function is per device.
         device = torch.cuda.current_device()
-        key = self._signature(grid, args, constexprs, num_warps, num_stages, launch_pdl, device)
+        key = self._signature(grid, args, constexprs, options, device)
         entry = self._compiled.get(key) if key is not None else None
         if entry is None:
-            compiled = self._launch_through_jit(grid, args, constexprs, num_warps, num_stages, launch_pdl)
+            compiled = self._launch_through_jit(grid, args, constexprs, options)
             if key is not None:
                 self._remember(key, compiled, constexprs)
             return
@@ -92,19 +111,17 @@ class CachedLauncher:
             *args, *constexpr_values,
         )  # fmt: skip
 
-    def _launch_through_jit(self, grid, args, constexprs, num_warps, num_stages, launch_pdl):
-        # Only a PDL launch names the option, so a kernel launched without it compiles as it always did.
-        options = {"launch_pdl": True} if launch_pdl else {}
-        return self.kernel[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages, **options)
+    def _launch_through_jit(self, grid, args, constexprs, options):
+        return self.kernel[grid](*args, **constexprs, **options)
 
-    def _signature(self, grid, args, constexprs, num_warps, num_stages, launch_pdl, device: int) -> tuple | None:
+    def _signature(self, grid, args, constexprs, options, device: int) -> tuple | None:
         """The launch's signature, or None for an argument type this does not key (the JIT path takes it).
 
         Exact type tests rather than isinstance: this runs on every eager call, over ~46 arguments, and on the
         device machine's host the isinstance chain was several microseconds of it (NOTES.md, entry 23).
         Subclasses (a bool, a tensor subclass) are not keyed and take the JIT path.
         """
-        key = [grid, num_warps, num_stages, launch_pdl, device, *constexprs.values()]
+        key = [grid, *options.items(), device, *constexprs.values()]
         append = key.append
         for arg in args:
             kind = type(arg)
@@ -115,6 +132,10 @@ class CachedLauncher:
                 append(arg.data_ptr() % 16 == 0)
             elif kind is float:
                 append(float)  # always passed as fp32: the value does not change the kernel
+            elif kind is TensorDescriptor:
+                # Triton specialises a descriptor on its dtype, block shape and layout (a function of the two);
+                # its base, shape and strides are runtime values, encoded by the compiled launcher.
+                append((arg.base.dtype, tuple(arg.block_shape), arg.base.data_ptr() % 16 == 0))
             else:
                 return None
         return tuple(key)
