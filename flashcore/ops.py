@@ -53,7 +53,7 @@ def attention_with_kv_cache(
       output: it is never loaded unmasked.
 
     Prefill (``S_q`` large), decode (``S_q == 1``) and mixed batches (``query_lens`` differing per row) are the
-    same rule; one launch serves them all.
+    same rule, and one Triton kernel serves them all.
 
     **Causal alignment is bottom-right.** With ``L_b = 3`` cached tokens and 2 new ones (1 = attended)::
 
@@ -81,7 +81,9 @@ def attention_with_kv_cache(
         cache_max_len: only with ``past_key_value=None``: the capacity ``S_max`` of the new cache.
         backend: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), ``"torch"``
             (plain PyTorch, any device), or ``"auto"``: triton on CUDA or under the interpreter, torch
-            otherwise. Nothing ever falls back silently from one backend to the other.
+            otherwise. Nothing ever falls back silently from one backend to the other. Within triton, a decode
+            call on an sm_90 GPU runs a warp-specialised Gluon kernel where it can
+            (``flashcore.kernels.warp_specialized_decode.supports``): same contract, faster K/V stream.
         check: run the value checks (capacity, negative lengths), which read ``seq_lens`` on the host once
             (one batched reduction, one sync). None means: check, unless the current CUDA stream is being
             captured into a graph or ``torch.compile`` is tracing. With ``check=False`` the kernel still
@@ -164,7 +166,12 @@ def _attention_with_kv_cache_impl(
     if backend == "torch":
         run = attention_with_kv_cache_torch
     else:
-        from flashcore.kernels.attention import attention_with_kv_cache_triton as run
+        from flashcore.kernels import attention, warp_specialized_decode
+
+        # Eagerly and under capture alike, so that a captured decode step computes bitwise what an eager one does.
+        if warp_specialized_decode.supports(query, key, value, k_cache, v_cache, query_lens, sliding_window):
+            return warp_specialized_decode.decode_with_kv_cache(query, key, value, k_cache, v_cache, seq_lens, scale)
+        run = attention.attention_with_kv_cache_triton
     return run(query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window)
 
 

@@ -1,0 +1,358 @@
+"""Warp-specialised decode for Hopper: one producer warp streams K/V with TMA while four warps attend.
+
+Semantics are :func:`flashcore.ops.attention_with_kv_cache`'s, for the calls this kernel takes: one new token
+per row (``S_q == 1``, no ``query_lens``, no window), fp16/bf16, ``D`` 64 or 128, ``H_q // H_kv <= 16``,
+contiguous caches, on an sm_90 GPU. :func:`supports` says whether a call is one of them; ops.py dispatches.
+
+Why a second decode kernel, in Gluon rather than Triton: at decode the K/V stream is the whole cost, and the
+Triton kernel's software pipeline keeps a block barrier at every stage handoff, so its loads are issued late
+(benchmarks/NOTES.md, entries 26-28). Triton 3.6 does not warp-specialise that loop. Here the roles are split by
+hand, FA3/FlashInfer style: the producer waits only for a stage to be ``empty`` and issues its TMA copies; the
+consumers wait only for it to be ``ready``. The producer also takes the row's ``seq_lens`` ticket, so the
+consumers' tail is the output store. H100, graph replay: 1.01-1.19x faster than the Triton kernel on every decode
+row of bench_attention (entry 30).
+
+Grid ``(B * H_kv, KV splits)``, GQA packed as in the Triton kernel: one program attends the ``GROUP`` query heads
+of one KV head, padded to a 16-row mma.sync tile. The cached prefix ``[0, L_b)`` is split into equal runs of key
+tiles; split 0 appends the new token's K/V at ``L_b``, the last split attends to it from ``key``/``value``. With
+one split the row's last program advances ``seq_lens``; with more, :func:`merge_kv_splits` does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from flashcore.kernels import configs
+from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
+from flashcore.kernels.scratch import scratch_buffer, split_partials
+from flashcore.kernels.split_kv import merge_kv_splits
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a triton without Gluon: supports() is False and nothing below is defined
+    gluon = None
+
+LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
+HEAD_DIMS = (64, 128)  # the head dims measured and tested on the H100
+BLOCK_M = 16  # one mma.sync row tile: the GQA group, padded
+BLOCK_N = 64
+NUM_STAGES = 2  # 3 stages: 2-5% slower on every row (two programs per SM still fit, but each streams later)
+NUM_CONSUMER_WARPS = 4
+# Registers per thread at launch: 2 programs of (4 consumer + 4 producer-group) warps per SM. The producer warp
+# gives all but 24 back (setmaxnreg), so the consumers may use up to 232.
+MAX_REGISTERS = 128
+
+
+def supports(query, key, value, k_cache, v_cache, query_lens, sliding_window: int) -> bool:
+    """Whether this kernel can run a (validated) call: see the module docstring for the list."""
+    if gluon is None or not query.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    if torch.cuda.get_device_capability(query.device)[0] != 9:
+        return False
+    batch, num_q_heads, num_new, head_dim = query.shape
+    num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    return (
+        num_new == 1
+        and query_lens is None
+        and sliding_window == 0
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and head_dim in HEAD_DIMS
+        and num_q_heads // num_kv_heads <= BLOCK_M
+        and query.stride(3) == key.stride(3) == value.stride(3) == 1
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and k_cache.data_ptr() % 16 == 0
+        and v_cache.data_ptr() % 16 == 0
+        and batch * num_kv_heads * capacity < 2**31  # TMA coordinates are int32
+    )
+
+
+if gluon is not None:
+    # Renamed across the triton versions flashcore supports (3.6 on the H100 machine, 3.9 on CI).
+    _partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    _PRODUCER_REGISTERS = gl.constexpr(24)  # the least a warp can hold; the producer only computes addresses
+
+    @gluon.jit
+    def _advance_seq_len(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_row_programs):
+        # acq_rel: every program read seq_lens before taking its ticket, so the last taker may write it.
+        if gl.atomic_add(row_tickets_ptr + batch, 1, sem="acq_rel") == num_row_programs - 1:
+            gl.store(seq_lens_ptr + batch, new_seq_len)
+            gl.atomic_xchg(row_tickets_ptr + batch, 0)
+
+    @gluon.jit
+    def _stream_kv_tiles(
+        k_desc, v_desc, k_tiles, v_tiles, ready, empty, seq_lens_ptr, row_tickets_ptr,
+        batch, new_seq_len, row_base, lo, num_tiles, num_row_programs,
+        ADVANCE_SEQ_LENS: gl.constexpr, BLOCK_N: gl.constexpr,
+    ):  # fmt: skip
+        """The producer warp: fills the stages in turn, each as soon as the consumers hand it back."""
+        NUM_STAGES: gl.constexpr = k_tiles.type.shape[0]
+        for i in range(num_tiles):
+            stage = i % NUM_STAGES
+            # mbarriers start in phase 1 complete, so the first pass over the stages does not wait.
+            mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            row = row_base + lo + i * BLOCK_N
+            _tma_load(k_desc, [row, 0], ready.index(stage), k_tiles.index(stage))
+            _tma_load(v_desc, [row, 0], ready.index(stage), v_tiles.index(stage))
+        if ADVANCE_SEQ_LENS:
+            # Taken after the last copy is issued, while the consumers work through the last stages. Stage 0's
+            # first hand-back means every consumer warp is past its read of seq_lens (this warp read it before
+            # its first copy).
+            if num_tiles <= NUM_STAGES:
+                mbarrier.wait(empty.index(0), 0)
+            _advance_seq_len(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_row_programs)
+
+    @gluon.jit
+    def _attend_kv_tiles(
+        q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
+        k_tiles, v_tiles, ready, empty,
+        stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+        batch, kv_head, split, num_splits, seq_len, lo, hi, num_tiles, row_base, num_q_heads, capacity, qk_scale,
+        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        USE_SPLIT_KV: gl.constexpr, ADVANCE_SEQ_LENS: gl.constexpr, NUM_WARPS: gl.constexpr,
+    ):  # fmt: skip
+        """The consumer warps: online softmax over the stages as they land, then the epilogue."""
+        NUM_STAGES: gl.constexpr = k_tiles.type.shape[0]
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
+        a_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        b_operand: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+        rows: gl.constexpr = gl.SliceLayout(1, mma)
+        cols: gl.constexpr = gl.SliceLayout(0, mma)
+        tail_tile: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NUM_WARPS, 1], [1, 0])
+        dtype = k_tiles.dtype
+
+        # -- row metadata --
+        offs_m = gl.arange(0, BLOCK_M, layout=rows)
+        offs_d = gl.arange(0, HEAD_DIM, layout=cols)
+        offs_n = gl.arange(0, BLOCK_N, layout=cols)
+        mask_m = offs_m < GROUP
+        head = kv_head * GROUP + offs_m
+        q_offsets = batch.to(gl.int64) * stride_q_b + head[:, None] * stride_q_h + offs_d[None, :]
+        q = gl.load(q_ptr + q_offsets, mask=mask_m[:, None], other=0.0)
+        q_operand = gl.convert_layout(q, a_operand)
+        # The new token's K/V is loaded here, so that its latency hides behind the first copies, not at the tail.
+        k_new = gl.load(k_ptr + batch.to(gl.int64) * stride_k_b + kv_head * stride_k_h + offs_d)
+        v_new = gl.load(v_ptr + batch.to(gl.int64) * stride_v_b + kv_head * stride_v_h + offs_d)
+
+        # -- append new K/V --
+        # Into [seq_len, seq_len + 1), which no split reads as a key (a tail copy may cover it: masked below).
+        if split == 0:
+            # A row already at capacity (only with check=False) stores nothing: tokens past capacity are dropped.
+            mask_append = (offs_d < HEAD_DIM) & (seq_len < capacity)
+            append_offsets = (row_base + seq_len).to(gl.int64) * HEAD_DIM + offs_d
+            gl.store(k_cache_ptr + append_offsets, k_new, mask=mask_append)
+            gl.store(v_cache_ptr + append_offsets, v_new, mask=mask_append)
+        if ADVANCE_SEQ_LENS:
+            if num_tiles == 0:  # no stage will come back to the producer: hand stage 0 back now
+                _partition_barrier()
+                mbarrier.arrive(empty.index(0), count=1)
+
+        # -- attend: cached prefix --
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows)
+        l_i = gl.zeros([BLOCK_M], gl.float32, rows)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, mma)
+        zero_scores = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
+        num_full_tiles = (hi - lo) // BLOCK_N
+        for i in range(num_tiles):
+            stage = i % NUM_STAGES
+            mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
+            k = k_tiles.index(stage).permute((1, 0)).load(b_operand)
+            if i < num_full_tiles:
+                v = v_tiles.index(stage).load(b_operand)
+            else:
+                # The tail copy runs past seq_len into garbage (maybe NaN): p is 0 there, but 0 * NaN is not.
+                tail_keys = lo + i * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, tail_tile))
+                v = v_tiles.index(stage).load(tail_tile)
+                v = gl.convert_layout(gl.where((tail_keys < hi)[:, None], v, gl.zeros_like(v)), b_operand)
+            # Every warp's shared-memory reads of the stage come before the producer's next copy into it.
+            _partition_barrier()
+            fence_async_shared()
+            mbarrier.arrive(empty.index(stage), count=1)
+            scores = mma_v2(q_operand, k, zero_scores)
+            scores = gl.where((lo + i * BLOCK_N + offs_n < hi)[None, :], scores, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
+            # A row with nothing visible yet keeps m = -inf; shifting by 0 keeps exp2 finite (0, not NaN).
+            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p = gl.exp2(scores * qk_scale - m_shift[:, None])
+            alpha = gl.exp2(m_i - m_shift)
+            l_i = l_i * alpha + gl.sum(p, 1)
+            m_i = m_new
+            acc = mma_v2(gl.convert_layout(p.to(dtype), a_operand), v, acc * alpha[:, None])
+
+        # -- attend: the new token (the last split owns it) --
+        if split == num_splits - 1:
+            score_new = gl.sum(q.to(gl.float32) * k_new.to(gl.float32)[None, :], 1) * qk_scale
+            m_new = gl.maximum(m_i, score_new)
+            p_new = gl.exp2(score_new - m_new)
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + p_new
+            m_i = m_new
+            acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(gl.float32)[None, :]
+
+        # -- epilogue --
+        # A split that saw no key produces exactly 0 and an LSE of -inf, which the merge weighs as nothing.
+        has_keys = mask_m & (l_i > 0.0)
+        out = gl.where(has_keys[:, None], acc / gl.where(has_keys, l_i, 1.0)[:, None], 0.0)
+        out_rows = batch * num_q_heads + head  # flat (batch, q head): one new token per row
+        if USE_SPLIT_KV:
+            partial_rows = out_rows * num_splits + split
+            partial_offsets = partial_rows[:, None] * HEAD_DIM + offs_d[None, :]
+            gl.store(partial_out_ptr + partial_offsets, out, mask=mask_m[:, None])
+            lse = gl.where(has_keys, m_i + gl.log2(gl.where(has_keys, l_i, 1.0)), float("-inf"))
+            gl.store(partial_lse_ptr + partial_rows, lse, mask=mask_m)
+        else:
+            out_offsets = out_rows[:, None] * HEAD_DIM + offs_d[None, :]
+            gl.store(out_ptr + out_offsets, out.to(dtype), mask=mask_m[:, None])
+
+    @gluon.jit
+    def _warp_specialized_decode_kernel(
+        q_ptr,  # [B, H_q, 1, D], stride 1 along D
+        k_ptr,  # [B, H_kv, 1, D]: the new token's key
+        v_ptr,  # [B, H_kv, 1, D]
+        k_cache_ptr,  # [B, H_kv, S_max, D], contiguous: the append's target
+        v_cache_ptr,
+        k_desc,  # TMA descriptor over k_cache viewed as [B * H_kv * S_max, D], [BLOCK_N, D] boxes
+        v_desc,
+        seq_lens_ptr,  # [B] int32
+        row_tickets_ptr,  # [B] int32, zero between calls: the row's last program resets it
+        out_ptr,  # [B, H_q, 1, D], contiguous
+        partial_out_ptr,  # USE_SPLIT_KV only: [B * H_q, splits, D] fp32
+        partial_lse_ptr,  # USE_SPLIT_KV only: [B * H_q, splits] fp32
+        stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+        num_kv_heads,
+        capacity,  # S_max
+        qk_scale,  # softmax scale * log2(e)
+        GROUP: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        USE_SPLIT_KV: gl.constexpr,  # else one program per (batch, KV head) row, which advances seq_lens itself
+        USE_PDL: gl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
+        NUM_WARPS: gl.constexpr,  # the consumer warps (the kernel's num_warps)
+    ):  # fmt: skip
+        # -- programmatic dependent launch (see the Triton kernel) --
+        if USE_PDL:
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+            if USE_SPLIT_KV:
+                gl.inline_asm_elementwise(
+                    "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+                )
+
+        # -- row metadata --
+        pid_bh = gl.program_id(0)
+        split = gl.program_id(1)
+        num_splits = gl.num_programs(1)
+        batch = pid_bh // num_kv_heads
+        kv_head = pid_bh % num_kv_heads
+        # With check=False seq_lens may be negative or at capacity; reads and writes stay inside the cache.
+        seq_len_before = gl.load(seq_lens_ptr + batch)
+        seq_len = gl.minimum(gl.maximum(seq_len_before, 0), capacity)
+        split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = gl.minimum(split * split_len, seq_len)
+        hi = gl.minimum(lo + split_len, seq_len)
+        num_tiles = gl.cdiv(hi - lo, BLOCK_N)
+        row_base = pid_bh * capacity
+
+        k_tiles = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_tiles = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(stage), count=1)
+            mbarrier.init(empty.index(stage), count=1)
+
+        ADVANCE_SEQ_LENS: gl.constexpr = not USE_SPLIT_KV  # with splits, the merge launch advances it
+        gl.warp_specialize(
+            [
+                (
+                    _attend_kv_tiles,
+                    (
+                        q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
+                        k_tiles, v_tiles, ready, empty,
+                        stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+                        batch, kv_head, split, num_splits, seq_len, lo, hi, num_tiles, row_base,
+                        num_kv_heads * GROUP, capacity, qk_scale,
+                        GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, USE_SPLIT_KV, ADVANCE_SEQ_LENS, NUM_WARPS,
+                    ),
+                ),
+                (
+                    _stream_kv_tiles,
+                    (
+                        k_desc, v_desc, k_tiles, v_tiles, ready, empty, seq_lens_ptr, row_tickets_ptr,
+                        batch, seq_len_before + 1, row_base, lo, num_tiles, num_kv_heads,
+                        ADVANCE_SEQ_LENS, BLOCK_N,
+                    ),
+                ),
+            ],
+            [1],
+            [_PRODUCER_REGISTERS],
+        )  # fmt: skip
+
+    _launch_decode = CachedLauncher(_warp_specialized_decode_kernel)
+
+
+def _cache_descriptor(cache: torch.Tensor) -> TensorDescriptor:
+    head_dim = cache.shape[-1]
+    gl_dtype = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], gl_dtype)
+    return TensorDescriptor.from_tensor(cache.view(-1, head_dim), [BLOCK_N, head_dim], layout)
+
+
+def decode_with_kv_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Append-and-attend for a call that :func:`supports` accepts; with splits, a second launch merges them."""
+    batch, num_q_heads, _, head_dim = query.shape
+    num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if batch == 0:
+        return out
+    num_splits = configs.num_kv_splits(batch * num_kv_heads, capacity, query.device)
+    row_tickets = scratch_buffer("row_tickets", batch, torch.int32, query.device)
+    if num_splits > 1:
+        partial_out, partial_lse = split_partials(batch * num_q_heads, num_splits, head_dim, query.device)
+    else:
+        partial_out = partial_lse = out  # unused without USE_SPLIT_KV
+    use_pdl = uses_programmatic_launch(query.device)
+    _launch_decode(
+        (batch * num_kv_heads, num_splits, 1),
+        (
+            query, key, value, k_cache, v_cache, _cache_descriptor(k_cache), _cache_descriptor(v_cache),
+            seq_lens, row_tickets, out, partial_out, partial_lse,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            num_kv_heads, capacity, scale * LOG2_E,
+        ),
+        dict(
+            GROUP=group,
+            HEAD_DIM=head_dim,
+            BLOCK_M=BLOCK_M,
+            BLOCK_N=BLOCK_N,
+            NUM_STAGES=NUM_STAGES,
+            USE_SPLIT_KV=num_splits > 1,
+            USE_PDL=use_pdl,
+            NUM_WARPS=NUM_CONSUMER_WARPS,
+        ),
+        num_warps=NUM_CONSUMER_WARPS,
+        num_stages=NUM_STAGES,
+        launch_pdl=use_pdl,
+        maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+    if num_splits > 1:
+        merge_kv_splits(partial_out, partial_lse, out, seq_lens, None)
+    return out

@@ -1,0 +1,114 @@
+"""The warp-specialised decode kernel: which calls ops hands it, and the contract on those calls.
+
+It runs on sm_90 GPUs only (Gluon, TMA and mbarriers have no interpreter), so everything but the first test
+needs the H100. There, every eligible decode call of the whole suite already goes through it; the cases here
+aim at its own edges: empty and one-tile prefixes, tails of 1 and 63 keys, rows filled to the last slot, every
+split count from one to many, GQA groups from 1 to 16, and graph replay computing bitwise what eager calls do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ON_GPU, TOLERANCES, randn
+from oracle import check_call, make_call_inputs
+
+import flashcore
+from flashcore.kernels import warp_specialized_decode
+
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and warp_specialized_decode.gluon is not None
+hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="the Gluon decode kernel runs on sm_90 GPUs only")
+LOW_PRECISION = [torch.float16, torch.bfloat16]
+
+
+def _decode_inputs(generator, device, dtype, *, heads=(32, 8), head_dim=128, seq_lens=(100,), capacity=None):
+    num_q_heads, num_kv_heads = heads
+    return make_call_inputs(
+        randn, generator=generator, dtype=dtype, device=device, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, num_new=1, head_dim=head_dim, capacity=capacity or max(seq_lens) + 8,
+        seq_lens=list(seq_lens), query_lens=[1] * len(seq_lens),
+    )  # fmt: skip
+
+
+def _supports(inputs, query_lens=None, sliding_window=0, k_cache=None):
+    k_cache = inputs.cache[0] if k_cache is None else k_cache
+    return warp_specialized_decode.supports(
+        inputs.query, inputs.key, inputs.value, k_cache, inputs.cache[1], query_lens, sliding_window
+    )
+
+
+def test_supports_only_the_decode_calls_it_was_built_for(device, generator):
+    inputs = _decode_inputs(generator, device, torch.float16)
+    assert _supports(inputs) == ON_HOPPER  # a CPU tensor, or the interpreter: never
+    if not ON_HOPPER:
+        return
+    one_token = torch.ones(1, dtype=torch.int32, device=device)
+    assert not _supports(inputs, query_lens=one_token)
+    assert not _supports(inputs, sliding_window=16)
+    assert not _supports(_decode_inputs(generator, device, torch.float32))
+    assert not _supports(_decode_inputs(generator, device, torch.float16, head_dim=80))
+    assert not _supports(_decode_inputs(generator, device, torch.float16, heads=(32, 1)))  # a group of 32
+    strided = torch.empty_like(inputs.cache[0]).transpose(1, 2).contiguous().transpose(1, 2)
+    assert not _supports(inputs, k_cache=strided)
+    chunk = make_call_inputs(
+        randn, generator=generator, dtype=torch.float16, device=device, num_q_heads=32, num_kv_heads=8,
+        num_new=2, head_dim=128, capacity=64, seq_lens=[10], query_lens=[2],
+    )  # fmt: skip
+    assert not _supports(chunk)
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize(
+    "heads, head_dim", [((32, 8), 128), ((9, 3), 64), ((32, 32), 128), ((16, 1), 64)], ids=["gqa", "smol", "mha", "mqa"]
+)
+@pytest.mark.parametrize(
+    "seq_lens",
+    [[0, 1, 63, 64, 65], [4000, 129, 7], [2048]],
+    ids=["short_tails", "long_and_short", "one_long_row"],
+)
+def test_decode_matches_oracle(dtype, heads, head_dim, seq_lens, device, generator):
+    """Eager calls through the public op, which dispatches these to the Gluon kernel (checked by the spy)."""
+    inputs = _decode_inputs(generator, device, dtype, heads=heads, head_dim=head_dim, seq_lens=seq_lens)
+    assert _supports(inputs)
+    out, cache = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
+    check_call(inputs, out, cache, atol=TOLERANCES[dtype], is_causal=True)
+
+
+@hopper_only
+@pytest.mark.parametrize("batch", [1, 8, 64], ids=lambda b: f"B{b}")
+def test_split_counts_from_many_to_one(batch, device, generator):
+    """B1 splits the prefix over many programs (and merges them in a second launch); B64 runs one program
+    per (batch, KV head) row, whose last program advances seq_lens through the row ticket."""
+    seq_lens = torch.randint(1, 3000, (batch,), generator=generator).tolist()
+    inputs = _decode_inputs(generator, device, torch.bfloat16, seq_lens=seq_lens, capacity=3008)
+    out, cache = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
+    check_call(inputs, out, cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
+
+
+@hopper_only
+def test_row_filled_to_the_last_slot(device, generator):
+    """The new token lands in slot S_max - 1, and a tail copy of the prefix reaches the end of the cache."""
+    inputs = _decode_inputs(generator, device, torch.float16, seq_lens=[191, 100], capacity=192)
+    out, cache = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
+    check_call(inputs, out, cache, atol=TOLERANCES[torch.float16], is_causal=True)
+
+
+@hopper_only
+@pytest.mark.parametrize("batch", [1, 64], ids=["split", "one_program_per_row"])
+def test_graph_replay_is_bitwise_the_eager_call(batch, device, generator):
+    """A captured decode step computes exactly what an eager one does, so a session's tokens equal eager's."""
+    seq_lens = torch.randint(500, 1500, (batch,), generator=generator).tolist()
+    inputs = _decode_inputs(generator, device, torch.bfloat16, seq_lens=seq_lens, capacity=1600)
+    k_cache, v_cache, lens = inputs.cache
+    lens_before = lens.clone()
+    eager, _ = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
+    lens.copy_(lens_before)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed, _ = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
+    lens.copy_(lens_before)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, eager)
+    assert torch.equal(lens, lens_before + 1)
