@@ -82,8 +82,9 @@ def attention_with_kv_cache(
         backend: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), ``"torch"``
             (plain PyTorch, any device), or ``"auto"``: triton on CUDA or under the interpreter, torch
             otherwise. Nothing ever falls back silently from one backend to the other. Within triton, a decode
-            call on an sm_90 GPU runs a warp-specialised Gluon kernel where it can
-            (``flashcore.kernels.warp_specialized_decode.supports``): same contract, faster K/V stream.
+            call captured into a CUDA graph on an sm_90 GPU runs a warp-specialised Gluon kernel where it can
+            (``flashcore.kernels.warp_specialized_decode.supports``): same contract, a faster K/V stream, and
+            outputs that agree with the eager call's to rounding, not bitwise.
         check: run the value checks (capacity, negative lengths), which read ``seq_lens`` on the host once
             (one batched reduction, one sync). None means: check, unless the current CUDA stream is being
             captured into a graph or ``torch.compile`` is tracing. With ``check=False`` the kernel still
@@ -168,8 +169,11 @@ def _attention_with_kv_cache_impl(
     else:
         from flashcore.kernels import attention, warp_specialized_decode
 
-        # Eagerly and under capture alike, so that a captured decode step computes bitwise what an eager one does.
-        if warp_specialized_decode.supports(query, key, value, k_cache, v_cache, query_lens, sliding_window):
+        # Only under capture, where device time is the step's cost. Eagerly, host time is: its launch (host TMA
+        # descriptors, and with KV splits a second launch for the merge) costs ~2x the Triton kernel's one launch.
+        if _is_graph_capture(query) and warp_specialized_decode.supports(
+            query, key, value, k_cache, v_cache, query_lens, sliding_window
+        ):
             return warp_specialized_decode.decode_with_kv_cache(query, key, value, k_cache, v_cache, seq_lens, scale)
         run = attention.attention_with_kv_cache_triton
     return run(query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window)
@@ -203,6 +207,10 @@ def _resolve_backend(backend: str, query: torch.Tensor) -> str:
             f"the kernels on the CPU; got tensors on {query.device}. Use backend='torch' (or 'auto') on the CPU."
         )
     return backend
+
+
+def _is_graph_capture(query: torch.Tensor) -> bool:
+    return query.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _is_capturing_or_tracing() -> bool:

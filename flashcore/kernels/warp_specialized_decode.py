@@ -2,7 +2,8 @@
 
 Semantics are :func:`flashcore.ops.attention_with_kv_cache`'s, for the calls this kernel takes: one new token
 per row (``S_q == 1``, no ``query_lens``, no window), fp16/bf16, ``D`` 64 or 128, ``H_q // H_kv <= 16``,
-contiguous caches, on an sm_90 GPU. :func:`supports` says whether a call is one of them; ops.py dispatches.
+contiguous caches, on an sm_90 GPU. :func:`supports` says whether a call is one of them; ops.py hands them over
+under CUDA-graph capture only (eagerly, the Triton kernel's single launch costs less host time).
 
 Why a second decode kernel, in Gluon rather than Triton: at decode the K/V stream is the whole cost, and the
 Triton kernel's software pipeline keeps a block barrier at every stage handoff, so its loads are issued late
