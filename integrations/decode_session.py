@@ -79,7 +79,9 @@ class DecodeSession:
         # fullgraph: a graph break would put Python between kernels that the capture cannot replay. The default
         # mode, because the session captures the CUDA graph itself.
         self._next_token = (
-            torch.compile(self._next_token_eager, fullgraph=True, dynamic=False) if compile else self._next_token_eager
+            torch.compile(self._next_token_eager, fullgraph=True, dynamic=False, options=_inductor_options(device))
+            if compile
+            else self._next_token_eager
         )
         self._steps_before_capture = 1  # one eager step warms up kernels, autotuning and allocations
 
@@ -171,3 +173,15 @@ def chunked_argmax(scores: torch.Tensor) -> torch.Tensor:
     chunk_max, index_in_chunk = scores.view(batch, vocab // chunk, chunk).max(dim=-1)
     best_chunk = chunk_max.argmax(dim=-1, keepdim=True)
     return (best_chunk * chunk + index_in_chunk.gather(-1, best_chunk)).squeeze(-1)
+
+
+def _inductor_options(device: torch.device) -> dict:
+    """Programmatic dependent launch for inductor's Triton kernels on sm_90+, where this torch has the switch: each
+    kernel launches while the one before it drains, as flashcore's own kernels do. H100, fused session, B1: -1.6%
+    per decode step, tokens unchanged (benchmarks/NOTES.md, entry 29)."""
+    import torch._inductor.config as inductor_config
+
+    has_switch = hasattr(inductor_config.triton, "enable_pdl")
+    if device.type == "cuda" and has_switch and torch.cuda.get_device_capability(device) >= (9, 0):
+        return {"triton.enable_pdl": True}
+    return {}
