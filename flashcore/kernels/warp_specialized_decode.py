@@ -10,8 +10,8 @@ Triton kernel's software pipeline keeps a block barrier at every stage handoff, 
 (benchmarks/NOTES.md, entries 26-28). Triton 3.6 does not warp-specialise that loop. Here the roles are split by
 hand, FA3/FlashInfer style: the producer waits only for a stage to be ``empty`` and issues its TMA copies; the
 consumers wait only for it to be ``ready``. The producer also takes the row's ``seq_lens`` ticket, so the
-consumers' tail is the output store. H100, graph replay: 1.01-1.19x faster than the Triton kernel on every decode
-row of bench_attention (entry 30).
+consumers' tail is the output store. H100, graph replay, same run: 0-16% less time than the Triton kernel on
+each of 20 decode rows of bench_attention, most on the short ones (B1 L1k 7.9 -> 7.0 us; NOTES.md, entry 30).
 
 Grid ``(B * H_kv, KV splits)``, GQA packed as in the Triton kernel: one program attends the ``GROUP`` query heads
 of one KV head, padded to a 16-row mma.sync tile. The cached prefix ``[0, L_b)`` is split into equal runs of key
