@@ -84,7 +84,8 @@ def attention_with_kv_cache(
             otherwise. Nothing ever falls back silently from one backend to the other. Within triton, a decode
             call captured into a CUDA graph on an sm_90 GPU runs a warp-specialised Gluon kernel where it can
             (``flashcore.kernels.warp_specialized_decode.supports``): same contract, a faster K/V stream, and
-            outputs that agree with the eager call's to rounding, not bitwise.
+            outputs that agree with the eager call's to rounding, not bitwise. A causal chunk of 128 or more
+            new tokens per row runs the Gluon prefill kernel where it can (``warp_specialized_prefill.supports``).
         check: run the value checks (capacity, negative lengths), which read ``seq_lens`` on the host once
             (one batched reduction, one sync). None means: check, unless the current CUDA stream is being
             captured into a graph or ``torch.compile`` is tracing. With ``check=False`` the kernel still
@@ -167,7 +168,7 @@ def _attention_with_kv_cache_impl(
     if backend == "torch":
         run = attention_with_kv_cache_torch
     else:
-        from flashcore.kernels import attention, warp_specialized_decode
+        from flashcore.kernels import attention, warp_specialized_decode, warp_specialized_prefill
 
         # Only under capture, where device time is the step's cost. Eagerly, host time is: its launch (host TMA
         # descriptors, and with KV splits a second launch for the merge) costs ~2x the Triton kernel's one launch.
@@ -175,6 +176,10 @@ def _attention_with_kv_cache_impl(
             query, key, value, k_cache, v_cache, query_lens, sliding_window
         ):
             return warp_specialized_decode.decode_with_kv_cache(query, key, value, k_cache, v_cache, seq_lens, scale)
+        if warp_specialized_prefill.supports(
+            query, key, value, k_cache, v_cache, query_lens, is_causal, sliding_window
+        ):
+            return warp_specialized_prefill.prefill_with_kv_cache(query, key, value, k_cache, v_cache, seq_lens, scale)
         run = attention.attention_with_kv_cache_triton
     return run(query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window)
 

@@ -1,0 +1,319 @@
+"""Warp-specialised causal prefill for Hopper: a TMA producer warp and two consumer warpgroups that never wait
+for each other.
+
+Semantics are :func:`flashcore.ops.attention_with_kv_cache`'s, for the calls this kernel takes: causal, at least
+``MIN_NEW_TOKENS`` new tokens per row and no ``query_lens`` (every row appends ``S_q``), no window, fp16/bf16,
+``D`` 128, contiguous q/k/v and caches, on an sm_90 GPU. :func:`supports` says whether a call is one of them.
+
+Why: the Triton kernel's two warpgroups run their softmax and their MMAs in lockstep behind block barriers, so the
+tensor cores idle while the softmax runs (NOTES.md, entries 9 and 26). FA3 splits a program's 128 query rows
+between two consumer warpgroups and a producer; here each consumer runs its own online softmax with wgmma, and
+with no barrier between them one's softmax overlaps the other's MMAs. H100, B1, 32/8 heads: 0.87-0.98x SDPA at
+S 2k-16k against the Triton kernel's 0.78-0.85x (NOTES.md, entry 30).
+
+Grid ``(ceil(S_q / 128), B * H_q)``, heaviest query block first. Keys are the cached prefix ``[0, L_b)`` (cache
+tiles) then the new tokens (key/value tiles, causal on the diagonal). The programs of one KV head's first query
+head append the new K/V; the producer warps take a per-row ticket and the last advances ``seq_lens``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from flashcore.kernels.launch import CachedLauncher
+from flashcore.kernels.scratch import scratch_buffer
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # a triton without Gluon: supports() is False and nothing below is defined
+    gluon = None
+
+LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
+HEAD_DIM = 128
+BLOCK_M = 128  # query rows per program, 64 per consumer warpgroup
+BLOCK_N = 128
+NUM_STAGES = 2
+MIN_NEW_TOKENS = 128  # a chunk smaller than one query block is decode-like: the Triton kernel takes it
+# 12 warps (two consumer warpgroups and the producer's group) at 168 registers fill the register file; the
+# producer gives all but 24 back, so the consumers may hold 232-248.
+MAX_REGISTERS = 168
+
+
+def supports(query, key, value, k_cache, v_cache, query_lens, is_causal: bool, sliding_window: int) -> bool:
+    """Whether this kernel can run a (validated) call: see the module docstring for the list."""
+    batch, num_q_heads, num_new, head_dim = query.shape
+    if num_new < MIN_NEW_TOKENS:  # first: ops asks on every call, decode steps included
+        return False
+    if gluon is None or not query.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    if torch.cuda.get_device_capability(query.device)[0] != 9:
+        return False
+    num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    return (
+        is_causal
+        and query_lens is None
+        and sliding_window == 0
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and head_dim == HEAD_DIM
+        and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (query, key, value, k_cache, v_cache))
+        and batch * max(num_q_heads * num_new, num_kv_heads * capacity) < 2**31  # TMA coordinates are int32
+    )
+
+
+if gluon is not None:
+    # Renamed across the triton versions flashcore supports (3.6 on the H100 machine, 3.9 on CI).
+    _partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    _CONSUMER_REGISTERS = gl.constexpr(232)
+    _PRODUCER_REGISTERS = gl.constexpr(24)
+    _COPY_ROWS = gl.constexpr(32)  # rows per register round trip in the append and the tail fix
+
+    @gluon.jit
+    def _stream_tiles(args, HALF: gl.constexpr):
+        """The producer warp: Q once, then the cache tiles and the new tokens' tiles through the stages."""
+        (q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, q_smem, k_tiles, v_tiles, q_ready, ready, empty,
+         tail_fixed, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, row_tickets_ptr,
+         batch, seq_len_before, seq_len, num_new, capacity, q_row, new_row, cache_row, m0, num_cache_tiles,
+         num_tiles, num_row_programs, is_appender, qk_scale) = args  # fmt: skip
+        HALF_M: gl.constexpr = q_smem.type.shape[1]
+        TILE_N: gl.constexpr = k_tiles.type.shape[1]
+        STAGES: gl.constexpr = k_tiles.type.shape[0]
+        mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+        _tma_load(q_desc, [q_row, 0], q_ready, q_smem.index(0))
+        _tma_load(q_desc, [q_row + HALF_M, 0], q_ready, q_smem.index(1))
+        for i in range(num_tiles):
+            stage = i % STAGES
+            # mbarriers start in phase 1 complete, so the first pass over the stages does not wait.
+            mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            if i < num_cache_tiles:
+                _tma_load(k_cache_desc, [cache_row + i * TILE_N, 0], ready.index(stage), k_tiles.index(stage))
+                _tma_load(v_cache_desc, [cache_row + i * TILE_N, 0], ready.index(stage), v_tiles.index(stage))
+            else:
+                row = new_row + (i - num_cache_tiles) * TILE_N
+                _tma_load(k_desc, [row, 0], ready.index(stage), k_tiles.index(stage))
+                _tma_load(v_desc, [row, 0], ready.index(stage), v_tiles.index(stage))
+        # Stage 0's first hand-back means both consumers are past their read of seq_lens.
+        if num_tiles <= STAGES:
+            mbarrier.wait(empty.index(0), 0)
+        # acq_rel: every program read seq_lens before taking its ticket, so the last taker may write it.
+        if gl.atomic_add(row_tickets_ptr + batch, 1, sem="acq_rel") == num_row_programs - 1:
+            gl.store(seq_lens_ptr + batch, seq_len_before + num_new)
+            gl.atomic_xchg(row_tickets_ptr + batch, 0)
+
+    @gluon.jit
+    def _attend_half(args, HALF: gl.constexpr):
+        """One consumer warpgroup: query rows [m0 + 64 * HALF, + 64) against every key tile, then the epilogue."""
+        (q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, q_smem, k_tiles, v_tiles, q_ready, ready, empty,
+         tail_fixed, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, row_tickets_ptr,
+         batch, seq_len_before, seq_len, num_new, capacity, q_row, new_row, cache_row, m0, num_cache_tiles,
+         num_tiles, num_row_programs, is_appender, qk_scale) = args  # fmt: skip
+        HALF_M: gl.constexpr = q_smem.type.shape[1]
+        D: gl.constexpr = q_smem.type.shape[2]
+        TILE_N: gl.constexpr = k_tiles.type.shape[1]
+        STAGES: gl.constexpr = k_tiles.type.shape[0]
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, TILE_N, 16])  # fmt: skip
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, D, 16])  # fmt: skip
+        p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        rows_copy: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        dtype = k_tiles.dtype
+        first_row = m0 + HALF * HALF_M
+
+        # -- append new K/V --
+        # Rows [first_row, + 64) of the new tokens, by the programs of each KV head's first query head.
+        offs_copy = gl.arange(0, _COPY_ROWS, layout=gl.SliceLayout(1, rows_copy))
+        offs_d_copy = gl.arange(0, D, layout=gl.SliceLayout(0, rows_copy))
+        if is_appender:
+            for chunk in gl.static_range(HALF_M // _COPY_ROWS):
+                token = first_row + chunk * _COPY_ROWS + offs_copy
+                # A row already at capacity (only with check=False) stores nothing: tokens past it are dropped.
+                mask = ((token < num_new) & (seq_len + token < capacity))[:, None] & (offs_d_copy < D)[None, :]
+                src = (new_row + token).to(gl.int64)[:, None] * D + offs_d_copy[None, :]
+                dst = (cache_row + seq_len + token).to(gl.int64)[:, None] * D + offs_d_copy[None, :]
+                gl.store(k_cache_ptr + dst, gl.load(k_ptr + src, mask=mask), mask=mask)
+                gl.store(v_cache_ptr + dst, gl.load(v_ptr + src, mask=mask), mask=mask)
+
+        # -- attend: cached prefix, then the new tokens (causal on the diagonal) --
+        token = first_row + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, s_layout))
+        offs_n = gl.arange(0, TILE_N, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([HALF_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([HALF_M], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([HALF_M, D], gl.float32, o_layout)
+        zero_scores = gl.zeros([HALF_M, TILE_N], gl.float32, s_layout)
+        q = q_smem.index(HALF)
+        last_token = first_row + HALF_M - 1
+        tail_cache_tile = gl.where(seq_len % TILE_N != 0, num_cache_tiles - 1, -1)
+        mbarrier.wait(q_ready, 0)
+        for i in range(num_tiles):
+            stage = i % STAGES
+            mbarrier.wait(ready.index(stage), (i // STAGES) & 1)
+            new0 = (i - num_cache_tiles) * TILE_N  # first new token of the tile (negative: a cache tile)
+            if i == tail_cache_tile:
+                # The tile runs past seq_len into garbage (maybe NaN): p is 0 there, but 0 * NaN is not. One half
+                # zeroes those V rows in shared memory and tells the other, which reads the same stage.
+                if HALF == 0:
+                    for chunk in gl.static_range(TILE_N // _COPY_ROWS):
+                        rows = v_tiles.index(stage).slice(chunk * _COPY_ROWS, _COPY_ROWS)
+                        key = i * TILE_N + chunk * _COPY_ROWS + offs_copy
+                        rows.store(gl.where((key < seq_len)[:, None], rows.load(rows_copy), 0.0).to(dtype))
+                    _partition_barrier()
+                    fence_async_shared()
+                    mbarrier.arrive(tail_fixed, count=1)
+                else:
+                    mbarrier.wait(tail_fixed, 0)
+            if new0 <= last_token:  # else every key of the tile is past this half's rows: only release it
+                token_s = warpgroup_mma(q, k_tiles.index(stage).permute((1, 0)), zero_scores, use_acc=False,
+                                        is_async=True)  # fmt: skip
+                scores = warpgroup_mma_wait(0, deps=[token_s])
+                if i == tail_cache_tile:
+                    scores = gl.where((i * TILE_N + offs_n < seq_len)[None, :], scores, float("-inf"))
+                elif i >= num_cache_tiles and new0 + TILE_N - 1 > first_row:  # a diagonal tile
+                    scores = gl.where((new0 + offs_n)[None, :] <= token[:, None], scores, float("-inf"))
+                m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
+                # A row with nothing visible yet keeps m = -inf; shifting by 0 keeps exp2 finite (0, not NaN).
+                m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+                p = gl.exp2(scores * qk_scale - m_shift[:, None])
+                alpha = gl.exp2(m_i - m_shift)
+                l_i = l_i * alpha + gl.sum(p, 1)
+                m_i = m_new
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+                p_op = gl.convert_layout(p.to(dtype), p_operand)
+                token_o = warpgroup_mma(p_op, v_tiles.index(stage), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[token_o])
+            mbarrier.arrive(empty.index(stage), count=1)
+
+        # -- epilogue --
+        l_out = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = acc / gl.where(l_out > 0.0, l_out, 1.0)[:, None]
+        out_token = first_row + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        out_offsets = (q_row - m0 + out_token).to(gl.int64)[:, None] * D + offs_d[None, :]
+        gl.store(out_ptr + out_offsets, out.to(dtype), mask=(out_token < num_new)[:, None])
+
+    @gluon.jit
+    def _warp_specialized_prefill_kernel(
+        q_desc,  # TMA descriptor over query [B * H_q * S_q, D], [64, D] boxes
+        k_desc,  # over key [B * H_kv * S_q, D], [BLOCK_N, D] boxes
+        v_desc,
+        k_cache_desc,  # over k_cache [B * H_kv * S_max, D], [BLOCK_N, D] boxes
+        v_cache_desc,
+        q_ptr,
+        k_ptr,  # [B, H_kv, S_q, D], contiguous: the append's source
+        v_ptr,
+        k_cache_ptr,  # [B, H_kv, S_max, D], contiguous: the append's target
+        v_cache_ptr,
+        out_ptr,  # [B, H_q, S_q, D], contiguous
+        seq_lens_ptr,  # [B] int32
+        row_tickets_ptr,  # [B] int32, zero between calls: the row's last program resets it
+        num_new,  # S_q
+        capacity,  # S_max
+        num_q_heads,
+        num_kv_heads,
+        qk_scale,  # softmax scale * log2(e)
+        BLOCK_M: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+    ):  # fmt: skip
+        # -- row metadata --
+        num_m_blocks = gl.num_programs(0)
+        pid_m = num_m_blocks - 1 - gl.program_id(0)  # the longest causal rows first, the short ones fill the tail
+        pid_bh = gl.program_id(1)
+        batch = pid_bh // num_q_heads
+        head = pid_bh % num_q_heads
+        group = num_q_heads // num_kv_heads
+        kv_head = head // group
+        # With check=False seq_lens may be negative or past capacity; reads and writes stay inside the cache.
+        seq_len_before = gl.load(seq_lens_ptr + batch)
+        seq_len = gl.minimum(gl.maximum(seq_len_before, 0), capacity)
+        m0 = pid_m * BLOCK_M
+        TILE_N: gl.constexpr = k_desc.block_type.shape[0]
+        num_cache_tiles = gl.cdiv(seq_len, TILE_N)
+        num_tiles = num_cache_tiles + gl.cdiv(gl.minimum(m0 + BLOCK_M, num_new), TILE_N)
+        kv_row = batch * num_kv_heads + kv_head
+
+        HALF_M: gl.constexpr = BLOCK_M // 2
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [2, HALF_M, q_desc.block_type.shape[1]], q_desc.layout)
+        k_tiles = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+        v_tiles = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        tail_fixed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_ready, count=1)
+        mbarrier.init(tail_fixed, count=1)
+        for stage in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(stage), count=1)
+            mbarrier.init(empty.index(stage), count=2)  # both consumer warpgroups hand it back
+
+        args = (
+            q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, q_smem, k_tiles, v_tiles, q_ready, ready, empty,
+            tail_fixed, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, row_tickets_ptr,
+            batch, seq_len_before, seq_len, num_new, capacity, pid_bh * num_new + m0, kv_row * num_new,
+            kv_row * capacity, m0, num_cache_tiles, num_tiles, num_m_blocks * num_q_heads, head % group == 0,
+            qk_scale,
+        )  # fmt: skip
+        gl.warp_specialize(
+            [(_attend_half, (args, 0)), (_attend_half, (args, 1)), (_stream_tiles, (args, 0))],
+            [4, 1],
+            [_CONSUMER_REGISTERS, _PRODUCER_REGISTERS],
+        )
+
+    _launch_prefill = CachedLauncher(_warp_specialized_prefill_kernel)
+
+
+@functools.cache
+def _tile_layout(dtype: torch.dtype, block_rows: int):
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for([block_rows, HEAD_DIM], gl_dtype)
+
+
+def _descriptor(tensor: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    layout = _tile_layout(tensor.dtype, block_rows)
+    return TensorDescriptor.from_tensor(tensor.view(-1, HEAD_DIM), [block_rows, HEAD_DIM], layout)
+
+
+def prefill_with_kv_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Append-and-attend for a call that :func:`supports` accepts, in one launch."""
+    batch, num_q_heads, num_new, _ = query.shape
+    num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if batch == 0:
+        return out
+    row_tickets = scratch_buffer("row_tickets", batch, torch.int32, query.device)
+    num_m_blocks = -(-num_new // BLOCK_M)
+    # The cached launch path: through the JIT, a 2k-token call was host-bound (2.4x the kernel; NOTES.md, entry 30).
+    _launch_prefill(
+        (num_m_blocks, batch * num_q_heads, 1),
+        (
+            _descriptor(query, BLOCK_M // 2), _descriptor(key, BLOCK_N), _descriptor(value, BLOCK_N),
+            _descriptor(k_cache, BLOCK_N), _descriptor(v_cache, BLOCK_N),
+            query, key, value, k_cache, v_cache, out, seq_lens, row_tickets,
+            num_new, capacity, num_q_heads, num_kv_heads, scale * LOG2_E,
+        ),
+        dict(BLOCK_M=BLOCK_M, NUM_STAGES=NUM_STAGES),
+        num_warps=4,
+        num_stages=NUM_STAGES,
+        maxnreg=MAX_REGISTERS,
+    )  # fmt: skip
+    return out

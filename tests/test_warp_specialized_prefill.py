@@ -1,0 +1,77 @@
+"""The warp-specialised prefill kernel: which calls ops hands it, and the contract on those calls.
+
+It runs on sm_90 GPUs only (Gluon, TMA, wgmma and mbarriers have no interpreter), so everything but the first
+test needs the H100. ops hands it causal chunks of at least 128 new tokens (no query_lens, no window, D 128), eager
+or captured. The cases aim at its own edges: an empty cache and cached prefixes that end inside a key tile (the
+tail copy reads garbage, maybe NaN), chunks that end inside a query block, rows with different prefixes, a chunk
+that fills the cache to its last slot, and GQA groups 1 and 4.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ON_GPU, TOLERANCES, randn
+from oracle import check_call, make_call_inputs
+
+import flashcore
+import flashcore.kernels.attention as triton_attention
+from flashcore.kernels import warp_specialized_prefill
+
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and warp_specialized_prefill.gluon is not None
+hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="the Gluon prefill kernel runs on sm_90 GPUs only")
+
+
+def _chunk_inputs(generator, device, dtype, *, seq_lens, num_new, heads=(32, 8), capacity=None, head_dim=128):
+    num_q_heads, num_kv_heads = heads
+    return make_call_inputs(
+        randn, generator=generator, dtype=dtype, device=device, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, num_new=num_new, head_dim=head_dim,
+        capacity=capacity or max(seq_lens) + num_new + 8, seq_lens=list(seq_lens),
+        query_lens=[num_new] * len(seq_lens),
+    )  # fmt: skip
+
+
+def _supports(inputs, query_lens=None, is_causal=True, sliding_window=0):
+    k_cache, v_cache, _ = inputs.cache
+    return warp_specialized_prefill.supports(
+        inputs.query, inputs.key, inputs.value, k_cache, v_cache, query_lens, is_causal, sliding_window
+    )
+
+
+def test_supports_only_the_chunks_it_was_built_for(device, generator):
+    inputs = _chunk_inputs(generator, device, torch.float16, seq_lens=[0], num_new=128)
+    assert _supports(inputs) == ON_HOPPER  # a CPU tensor, or the interpreter: never
+    if not ON_HOPPER:
+        return
+    all_new = torch.full((1,), 128, dtype=torch.int32, device=device)
+    assert not _supports(inputs, query_lens=all_new)
+    assert not _supports(inputs, is_causal=False)
+    assert not _supports(inputs, sliding_window=64)
+    assert not _supports(_chunk_inputs(generator, device, torch.float16, seq_lens=[0], num_new=127))
+    assert not _supports(_chunk_inputs(generator, device, torch.float32, seq_lens=[0], num_new=128))
+    assert not _supports(_chunk_inputs(generator, device, torch.float16, seq_lens=[0], num_new=128, head_dim=64))
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)], ids=["gqa", "mha"])
+@pytest.mark.parametrize(
+    "seq_lens, num_new",
+    [([0], 1024), ([0, 0], 200), ([1, 127], 128), ([100, 1000], 513), ([256], 300)],
+    ids=["prefill", "ragged_block", "short_prefixes", "prefixes_inside_tiles", "tile_aligned_prefix"],
+)
+def test_chunk_matches_oracle(dtype, heads, seq_lens, num_new, device, generator, monkeypatch):
+    """Through the public op, which must hand these calls to the Gluon kernel (and not to the Triton one)."""
+    inputs = _chunk_inputs(generator, device, dtype, seq_lens=seq_lens, num_new=num_new, heads=heads)
+    assert _supports(inputs)
+    monkeypatch.setattr(triton_attention, "attention_with_kv_cache_triton", None)  # a call would raise
+    out, cache = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
+    check_call(inputs, out, cache, atol=TOLERANCES[dtype], is_causal=True)
+
+
+@hopper_only
+def test_chunk_fills_the_cache_to_the_last_slot(device, generator):
+    inputs = _chunk_inputs(generator, device, torch.bfloat16, seq_lens=[70, 3], num_new=130, capacity=200)
+    out, cache = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
+    check_call(inputs, out, cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
