@@ -62,9 +62,10 @@ def _is_hook_set(hook) -> bool:
 class CachedLauncher:
     """Call as ``launcher(grid, args, constexprs, num_warps=..., num_stages=..., launch_pdl=..., maxnreg=...)``.
 
-    ``args`` are the kernel's runtime arguments in signature order (tensors, TMA descriptors, ints, floats);
-    ``constexprs`` maps every constexpr name to its value. ``launch_pdl`` and ``maxnreg`` are Triton's compile
-    options of those names (the compiled kernel's launcher then sets the launch attributes itself).
+    ``args`` are the kernel's runtime arguments in signature order (tensors, TMA descriptors, ints, floats), the
+    first a tensor (its device picks the path); ``constexprs`` maps every constexpr name to its value.
+    ``launch_pdl`` and ``maxnreg`` are Triton's compile options of those names (the compiled kernel's launcher
+    then sets the launch attributes itself).
     """
 
     def __init__(self, kernel) -> None:

@@ -206,12 +206,7 @@ if gluon is not None:
 
     @gluon.jit
     def _warp_specialized_prefill_kernel(
-        q_desc,  # TMA descriptor over query [B * H_q * S_q, D], [64, D] boxes
-        k_desc,  # over key [B * H_kv * S_q, D], [BLOCK_N, D] boxes
-        v_desc,
-        k_cache_desc,  # over k_cache [B * H_kv * S_max, D], [BLOCK_N, D] boxes
-        v_cache_desc,
-        q_ptr,
+        q_ptr,  # [B, H_q, S_q, D], contiguous (a tensor first: CachedLauncher reads the device off it)
         k_ptr,  # [B, H_kv, S_q, D], contiguous: the append's source
         v_ptr,
         k_cache_ptr,  # [B, H_kv, S_max, D], contiguous: the append's target
@@ -219,6 +214,11 @@ if gluon is not None:
         out_ptr,  # [B, H_q, S_q, D], contiguous
         seq_lens_ptr,  # [B] int32
         row_tickets_ptr,  # [B] int32, zero between calls: the row's last program resets it
+        q_desc,  # TMA descriptor over query [B * H_q * S_q, D], [64, D] boxes
+        k_desc,  # over key [B * H_kv * S_q, D], [BLOCK_N, D] boxes
+        v_desc,
+        k_cache_desc,  # over k_cache [B * H_kv * S_max, D], [BLOCK_N, D] boxes
+        v_cache_desc,
         num_new,  # S_q
         capacity,  # S_max
         num_q_heads,
@@ -306,9 +306,9 @@ def prefill_with_kv_cache(
     _launch_prefill(
         (num_m_blocks, batch * num_q_heads, 1),
         (
+            query, key, value, k_cache, v_cache, out, seq_lens, row_tickets,
             _descriptor(query, BLOCK_M // 2), _descriptor(key, BLOCK_N), _descriptor(value, BLOCK_N),
             _descriptor(k_cache, BLOCK_N), _descriptor(v_cache, BLOCK_N),
-            query, key, value, k_cache, v_cache, out, seq_lens, row_tickets,
             num_new, capacity, num_q_heads, num_kv_heads, scale * LOG2_E,
         ),
         dict(BLOCK_M=BLOCK_M, NUM_STAGES=NUM_STAGES),
