@@ -82,7 +82,10 @@ if gluon is not None:
 
     @gluon.jit
     def _stream_tiles(args, HALF: gl.constexpr):
-        """The producer warp: Q once, then the cache tiles and the new tokens' tiles through the stages."""
+        """The producer warp: Q once, then the cache tiles and the new tokens' tiles through the stages.
+
+        Every partition takes ``(args, HALF)``: Gluon's worker partitions share one signature. HALF is unused here.
+        """
         (q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, q_smem, k_tiles, v_tiles, q_ready, ready, empty,
          tail_fixed, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, row_tickets_ptr,
          batch, seq_len_before, seq_len, num_new, capacity, q_row, new_row, cache_row, m0, num_cache_tiles,
