@@ -15,9 +15,9 @@ from oracle import check_call, make_call_inputs
 
 import flashcore
 import flashcore.kernels.attention as triton_attention
-from flashcore.kernels import warp_specialized_decode
+from flashcore.kernels import gluon_hopper, warp_specialized_decode
 
-ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and warp_specialized_decode.gluon is not None
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and gluon_hopper.HAS_GLUON
 hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="the Gluon decode kernel runs on sm_90 GPUs only")
 LOW_PRECISION = [torch.float16, torch.bfloat16]
 

@@ -16,9 +16,9 @@ from oracle import check_call, make_call_inputs
 
 import flashcore
 import flashcore.kernels.attention as triton_attention
-from flashcore.kernels import warp_specialized_prefill
+from flashcore.kernels import gluon_hopper, warp_specialized_prefill
 
-ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and warp_specialized_prefill.gluon is not None
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and gluon_hopper.HAS_GLUON
 hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="the Gluon prefill kernel runs on sm_90 GPUs only")
 
 

@@ -21,29 +21,30 @@ one split the row's last program advances ``seq_lens``; with more, :func:`merge_
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from flashcore.kernels import configs
+from flashcore.kernels import configs, gluon_hopper
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 from flashcore.kernels.scratch import scratch_buffer, split_partials
 from flashcore.kernels.split_kv import merge_kv_splits
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # a triton without Gluon: supports() is False and nothing below is defined
-    gluon = None
+if gluon_hopper.HAS_GLUON:
+    from flashcore.kernels.gluon_hopper import (
+        fence_async_shared,
+        gl,
+        gluon,
+        mbarrier,
+        mma_v2,
+        partition_barrier,
+        tile_descriptor,
+        tma_load,
+    )
 
 LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
 HEAD_DIMS = (64, 128)  # the head dims measured and tested on the H100
 BLOCK_M = 16  # one mma.sync row tile: the GQA group, padded
 BLOCK_N = 64
-NUM_STAGES = 2  # 3 stages: 2-5% slower on every row (two programs per SM still fit, but each streams later)
+NUM_STAGES = 2  # 3 stages: 1-5% slower on each split row of NOTES.md entry 30's last probe round
 NUM_CONSUMER_WARPS = 4
 # Registers per thread at launch: 2 programs of (4 consumer + 4 producer-group) warps per SM. The producer warp
 # gives all but 24 back (setmaxnreg), so the consumers may use up to 232.
@@ -52,9 +53,7 @@ MAX_REGISTERS = 128
 
 def supports(query, key, value, k_cache, v_cache, query_lens, sliding_window: int) -> bool:
     """Whether this kernel can run a (validated) call: see the module docstring for the list."""
-    if gluon is None or not query.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return False
-    if torch.cuda.get_device_capability(query.device)[0] != 9:
+    if not gluon_hopper.runs_on(query.device):
         return False
     batch, num_q_heads, num_new, head_dim = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
@@ -74,10 +73,7 @@ def supports(query, key, value, k_cache, v_cache, query_lens, sliding_window: in
     )
 
 
-if gluon is not None:
-    # Renamed across the triton versions flashcore supports (3.6 on the H100 machine, 3.9 on CI).
-    _partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
-    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+if gluon_hopper.HAS_GLUON:
     _PRODUCER_REGISTERS = gl.constexpr(24)  # the least a warp can hold; the producer only computes addresses
 
     @gluon.jit
@@ -101,8 +97,8 @@ if gluon is not None:
             mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             row = row_base + lo + i * BLOCK_N
-            _tma_load(k_desc, [row, 0], ready.index(stage), k_tiles.index(stage))
-            _tma_load(v_desc, [row, 0], ready.index(stage), v_tiles.index(stage))
+            tma_load(k_desc, [row, 0], ready.index(stage), k_tiles.index(stage))
+            tma_load(v_desc, [row, 0], ready.index(stage), v_tiles.index(stage))
         if ADVANCE_SEQ_LENS:
             # Taken after the last copy is issued, while the consumers work through the last stages. Stage 0's
             # first hand-back means every consumer warp is past its read of seq_lens (this warp read it before
@@ -153,7 +149,7 @@ if gluon is not None:
             gl.store(v_cache_ptr + append_offsets, v_new, mask=mask_append)
         if ADVANCE_SEQ_LENS:
             if num_tiles == 0:  # no stage will come back to the producer: hand stage 0 back now
-                _partition_barrier()
+                partition_barrier()
                 mbarrier.arrive(empty.index(0), count=1)
 
         # -- attend: cached prefix --
@@ -174,7 +170,7 @@ if gluon is not None:
                 v = v_tiles.index(stage).load(tail_tile)
                 v = gl.convert_layout(gl.where((tail_keys < hi)[:, None], v, gl.zeros_like(v)), b_operand)
             # Every warp's shared-memory reads of the stage come before the producer's next copy into it.
-            _partition_barrier()
+            partition_barrier()
             fence_async_shared()
             mbarrier.arrive(empty.index(stage), count=1)
             scores = mma_v2(q_operand, k, zero_scores)
@@ -301,13 +297,6 @@ if gluon is not None:
     _launch_decode = CachedLauncher(_warp_specialized_decode_kernel)
 
 
-def _cache_descriptor(cache: torch.Tensor) -> TensorDescriptor:
-    head_dim = cache.shape[-1]
-    gl_dtype = gl.bfloat16 if cache.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, head_dim], gl_dtype)
-    return TensorDescriptor.from_tensor(cache.view(-1, head_dim), [BLOCK_N, head_dim], layout)
-
-
 def decode_with_kv_cache(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -334,7 +323,8 @@ def decode_with_kv_cache(
     _launch_decode(
         (batch * num_kv_heads, num_splits, 1),
         (
-            query, key, value, k_cache, v_cache, _cache_descriptor(k_cache), _cache_descriptor(v_cache),
+            query, key, value, k_cache, v_cache,
+            tile_descriptor(k_cache, BLOCK_N), tile_descriptor(v_cache, BLOCK_N),
             seq_lens, row_tickets, out, partial_out, partial_lse,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             num_kv_heads, capacity, scale * LOG2_E,

@@ -18,27 +18,24 @@ head append the new K/V; the producer warps take a per-row ticket and the last a
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
+from flashcore.kernels import gluon_hopper
 from flashcore.kernels.launch import CachedLauncher
 from flashcore.kernels.scratch import scratch_buffer
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+if gluon_hopper.HAS_GLUON:
+    from flashcore.kernels.gluon_hopper import (
         fence_async_shared,
+        gl,
+        gluon,
         mbarrier,
-        tma,
+        partition_barrier,
+        tile_descriptor,
+        tma_load,
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-except ImportError:  # a triton without Gluon: supports() is False and nothing below is defined
-    gluon = None
 
 LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
 HEAD_DIM = 128
@@ -56,9 +53,7 @@ def supports(query, key, value, k_cache, v_cache, query_lens, is_causal: bool, s
     batch, num_q_heads, num_new, head_dim = query.shape
     if num_new < MIN_NEW_TOKENS:  # first: ops asks on every call, decode steps included
         return False
-    if gluon is None or not query.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return False
-    if torch.cuda.get_device_capability(query.device)[0] != 9:
+    if not gluon_hopper.runs_on(query.device):
         return False
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     return (
@@ -72,10 +67,7 @@ def supports(query, key, value, k_cache, v_cache, query_lens, is_causal: bool, s
     )
 
 
-if gluon is not None:
-    # Renamed across the triton versions flashcore supports (3.6 on the H100 machine, 3.9 on CI).
-    _partition_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
-    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+if gluon_hopper.HAS_GLUON:
     _CONSUMER_REGISTERS = gl.constexpr(232)
     _PRODUCER_REGISTERS = gl.constexpr(24)
     _COPY_ROWS = gl.constexpr(32)  # rows per register round trip in the append and the tail fix
@@ -94,20 +86,20 @@ if gluon is not None:
         TILE_N: gl.constexpr = k_tiles.type.shape[1]
         STAGES: gl.constexpr = k_tiles.type.shape[0]
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        _tma_load(q_desc, [q_row, 0], q_ready, q_smem.index(0))
-        _tma_load(q_desc, [q_row + HALF_M, 0], q_ready, q_smem.index(1))
+        tma_load(q_desc, [q_row, 0], q_ready, q_smem.index(0))
+        tma_load(q_desc, [q_row + HALF_M, 0], q_ready, q_smem.index(1))
         for i in range(num_tiles):
             stage = i % STAGES
             # mbarriers start in phase 1 complete, so the first pass over the stages does not wait.
             mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             if i < num_cache_tiles:
-                _tma_load(k_cache_desc, [cache_row + i * TILE_N, 0], ready.index(stage), k_tiles.index(stage))
-                _tma_load(v_cache_desc, [cache_row + i * TILE_N, 0], ready.index(stage), v_tiles.index(stage))
+                tma_load(k_cache_desc, [cache_row + i * TILE_N, 0], ready.index(stage), k_tiles.index(stage))
+                tma_load(v_cache_desc, [cache_row + i * TILE_N, 0], ready.index(stage), v_tiles.index(stage))
             else:
                 row = new_row + (i - num_cache_tiles) * TILE_N
-                _tma_load(k_desc, [row, 0], ready.index(stage), k_tiles.index(stage))
-                _tma_load(v_desc, [row, 0], ready.index(stage), v_tiles.index(stage))
+                tma_load(k_desc, [row, 0], ready.index(stage), k_tiles.index(stage))
+                tma_load(v_desc, [row, 0], ready.index(stage), v_tiles.index(stage))
         # Stage 0's first hand-back means both consumers are past their read of seq_lens.
         if num_tiles <= STAGES:
             mbarrier.wait(empty.index(0), 0)
@@ -173,7 +165,7 @@ if gluon is not None:
                         rows = v_tiles.index(stage).slice(chunk * _COPY_ROWS, _COPY_ROWS)
                         key = i * TILE_N + chunk * _COPY_ROWS + offs_copy
                         rows.store(gl.where((key < seq_len)[:, None], rows.load(rows_copy), 0.0).to(dtype))
-                    _partition_barrier()
+                    partition_barrier()
                     fence_async_shared()
                     mbarrier.arrive(tail_fixed, count=1)
                 else:
@@ -277,17 +269,6 @@ if gluon is not None:
     _launch_prefill = CachedLauncher(_warp_specialized_prefill_kernel)
 
 
-@functools.cache
-def _tile_layout(dtype: torch.dtype, block_rows: int):
-    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    return gl.NVMMASharedLayout.get_default_for([block_rows, HEAD_DIM], gl_dtype)
-
-
-def _descriptor(tensor: torch.Tensor, block_rows: int) -> TensorDescriptor:
-    layout = _tile_layout(tensor.dtype, block_rows)
-    return TensorDescriptor.from_tensor(tensor.view(-1, HEAD_DIM), [block_rows, HEAD_DIM], layout)
-
-
 def prefill_with_kv_cache(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -310,8 +291,8 @@ def prefill_with_kv_cache(
         (num_m_blocks, batch * num_q_heads, 1),
         (
             query, key, value, k_cache, v_cache, out, seq_lens, row_tickets,
-            _descriptor(query, BLOCK_M // 2), _descriptor(key, BLOCK_N), _descriptor(value, BLOCK_N),
-            _descriptor(k_cache, BLOCK_N), _descriptor(v_cache, BLOCK_N),
+            tile_descriptor(query, BLOCK_M // 2), tile_descriptor(key, BLOCK_N), tile_descriptor(value, BLOCK_N),
+            tile_descriptor(k_cache, BLOCK_N), tile_descriptor(v_cache, BLOCK_N),
             num_new, capacity, num_q_heads, num_kv_heads, scale * LOG2_E,
         ),
         dict(BLOCK_M=BLOCK_M, NUM_STAGES=NUM_STAGES),
