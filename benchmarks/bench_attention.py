@@ -317,10 +317,14 @@ def decode_row(ctx: Context, row: dict) -> None:
 
 def planned_kv_splits(ctx: Context, group: int, batch: int, num_kv_heads: int, s_max: int, head_dim: int):
     """The split count flashcore's launcher picks for a decode call (context for the table; None if the
-    kernel's config API has moved)."""
+    kernel's config API has moved). On an sm_90 GPU the Gluon decode kernel takes these bf16 rows."""
     try:
+        from flashcore.kernels import gluon_hopper, warp_specialized_decode
         from flashcore.kernels.attention import _launch_plan
 
+        if gluon_hopper.runs_on(ctx.device) and head_dim in warp_specialized_decode.HEAD_DIMS:
+            plan = warp_specialized_decode._split_plan(batch * num_kv_heads, s_max, group, head_dim, ctx.device)
+            return plan[0]
         return _launch_plan(group, head_dim, batch * num_kv_heads, s_max, ELEM_BYTES, ctx.device).num_splits
     except Exception:  # noqa: BLE001
         return None

@@ -81,11 +81,11 @@ def attention_with_kv_cache(
         cache_max_len: only with ``past_key_value=None``: the capacity ``S_max`` of the new cache.
         backend: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), ``"torch"``
             (plain PyTorch, any device), or ``"auto"``: triton on CUDA or under the interpreter, torch
-            otherwise. Nothing ever falls back silently from one backend to the other. Within triton, a decode
-            call captured into a CUDA graph on an sm_90 GPU runs a warp-specialised Gluon kernel where it can
-            (``flashcore.kernels.warp_specialized_decode.supports``): same contract, a faster K/V stream, and
-            outputs that agree with the eager call's to rounding, not bitwise. A causal chunk of 128 or more
-            new tokens per row runs the Gluon prefill kernel where it can (``warp_specialized_prefill.supports``).
+            otherwise. Nothing ever falls back silently from one backend to the other. Within triton, on an
+            sm_90 GPU a decode call runs a warp-specialised Gluon kernel where it can
+            (``flashcore.kernels.warp_specialized_decode.supports``; same contract, a faster K/V stream), eager
+            or captured into a CUDA graph: both give the same bits. A causal chunk of 128 or more new tokens
+            per row runs the Gluon prefill kernel where it can (``warp_specialized_prefill.supports``).
         check: run the value checks (capacity, negative lengths), which read ``seq_lens`` on the host once
             (one batched reduction, one sync). None means: check, unless the current CUDA stream is being
             captured into a graph or ``torch.compile`` is tracing. With ``check=False`` the kernel still
@@ -170,11 +170,8 @@ def _attention_with_kv_cache_impl(
     else:
         from flashcore.kernels import attention, warp_specialized_decode, warp_specialized_prefill
 
-        # Only under capture, where device time is the step's cost. Eagerly, host time is: its launch (host TMA
-        # descriptors, and with KV splits a second launch for the merge) costs ~2x the Triton kernel's one launch.
-        if _is_graph_capture(query) and warp_specialized_decode.supports(
-            query, key, value, k_cache, v_cache, query_lens, sliding_window
-        ):
+        # Eagerly and under capture alike, so that a graph-replayed decode step computes what an eager one does.
+        if warp_specialized_decode.supports(query, key, value, k_cache, v_cache, query_lens, sliding_window):
             return warp_specialized_decode.decode_with_kv_cache(query, key, value, k_cache, v_cache, seq_lens, scale)
         if warp_specialized_prefill.supports(
             query, key, value, k_cache, v_cache, query_lens, is_causal, sliding_window
@@ -212,10 +209,6 @@ def _resolve_backend(backend: str, query: torch.Tensor) -> str:
             f"the kernels on the CPU; got tensors on {query.device}. Use backend='torch' (or 'auto') on the CPU."
         )
     return backend
-
-
-def _is_graph_capture(query: torch.Tensor) -> bool:
-    return query.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _is_capturing_or_tracing() -> bool:

@@ -1,12 +1,15 @@
 """The warp-specialised decode kernel: which calls ops hands it, and the contract on those calls.
 
 It runs on sm_90 GPUs only (Gluon, TMA and mbarriers have no interpreter), so everything but the first test
-needs the H100. ops hands it eligible decode calls under CUDA-graph capture only, so the contract cases call it
-directly and one test checks the dispatch. The cases aim at its own edges: empty and one-tile prefixes, tails of
+needs the H100. The contract cases call it directly; one test checks that ops hands it eligible calls, eager
+and captured alike, with the same bits. The cases aim at its own edges: empty and one-tile prefixes, tails of
 1 and 63 keys, rows filled to the last slot, every split count from one to many, GQA groups from 1 to 16.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import pytest
 import torch
@@ -88,8 +91,8 @@ def test_decode_matches_oracle(dtype, heads, head_dim, seq_lens, device, generat
 @hopper_only
 @pytest.mark.parametrize("batch", [1, 8, 64], ids=lambda b: f"B{b}")
 def test_split_counts_from_many_to_one(batch, device, generator):
-    """B1 splits the prefix over many programs (and merges them in a second launch); B64 runs one program
-    per (batch, KV head) row, whose last program advances seq_lens through the row ticket."""
+    """B1 splits the prefix over many programs (their last merges them in the launch, as an eager call does);
+    B64 runs one program per (batch, KV head) row, whose last program advances seq_lens through the row ticket."""
     seq_lens = torch.randint(1, 3000, (batch,), generator=generator).tolist()
     inputs = _decode_inputs(generator, device, torch.bfloat16, seq_lens=seq_lens, capacity=3008)
     out, cache = _decode(inputs)
@@ -105,10 +108,37 @@ def test_row_filled_to_the_last_slot(device, generator):
 
 
 @hopper_only
+@pytest.mark.parametrize(
+    "heads, head_dim, capacity",
+    [((32, 8), 128, 1100), ((9, 3), 64, 4100), ((32, 32), 128, 4100), ((16, 1), 128, 1100)],
+    ids=["gqa", "smol", "mha", "group_16"],
+)
+def test_split_merge_placements_agree_bitwise(heads, head_dim, capacity, device, generator, monkeypatch):
+    """Eager calls merge the splits in this kernel's launch (its Gluon copy of the merge), captured ones in
+    split_kv's merge launch. Both must give the same bits, or a graph-replayed decode loop picks other tokens
+    than an eager one (test_contract.py's test of the same name, for the Triton kernel)."""
+    seq_lens = [int(torch.randint(capacity // 2, capacity - 8, (1,), generator=generator)), 0, 70]
+    inputs = _decode_inputs(generator, device, torch.bfloat16, heads=heads, head_dim=head_dim, seq_lens=seq_lens,
+                            capacity=capacity)  # fmt: skip
+    outputs, caches = [], []
+    for merges_in_launch in (True, False):
+        placement = functools.partial(lambda placed, device: placed, merges_in_launch)
+        monkeypatch.setattr(triton_attention, "merges_in_attention_launch", placement)
+        call = dataclasses.replace(inputs, cache=tuple(tensor.clone() for tensor in inputs.cache))
+        out, cache = _decode(call)
+        check_call(call, out, cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
+        outputs.append(out)
+        caches.append(cache)
+    assert torch.equal(outputs[0], outputs[1])
+    for in_launch, second_launch in zip(*caches, strict=True):
+        assert torch.equal(in_launch.nan_to_num(), second_launch.nan_to_num())
+
+
+@hopper_only
 @pytest.mark.parametrize("batch", [1, 64], ids=["split", "one_program_per_row"])
-def test_ops_runs_it_under_graph_capture_only(batch, device, generator, monkeypatch):
-    """Eager decode calls keep the Triton kernel (one launch, the least host time); a captured one runs this
-    kernel. Both obey the contract, and agree to rounding."""
+def test_ops_runs_it_eagerly_and_captured_with_the_same_bits(batch, device, generator, monkeypatch):
+    """ops hands a decode call to this kernel whether it runs eagerly or is captured into a CUDA graph, so a
+    replayed step writes the eager step's bits: output, cache and seq_lens."""
     calls = []
 
     def spy(name, run):
@@ -124,19 +154,21 @@ def test_ops_runs_it_under_graph_capture_only(batch, device, generator, monkeypa
                         spy("gluon", warp_specialized_decode.decode_with_kv_cache))  # fmt: skip
     seq_lens = torch.randint(500, 1500, (batch,), generator=generator).tolist()
     inputs = _decode_inputs(generator, device, torch.bfloat16, seq_lens=seq_lens, capacity=1600)
-    lens = inputs.cache[2]
-    eager, cache = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
-    check_call(inputs, eager, cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
-    assert calls == ["triton"]
+    k_cache, v_cache, lens = inputs.cache
+    lens_before = lens.clone()
+    eager, _ = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
+    check_call(inputs, eager, inputs.cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
+    assert calls == ["gluon"]
+    eager_cache = (k_cache.clone(), v_cache.clone(), lens.clone())
 
-    lens_before = torch.tensor(inputs.seq_lens, dtype=torch.int32, device=device)
-    lens.copy_(lens_before)
-    _decode(inputs)  # compiles outside the capture; appends the same token to the same slot
-    lens.copy_(lens_before)
+    lens.copy_(lens_before)  # the captured call appends the same token to the same slot
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed, cache = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
-    assert calls == ["triton", "gluon", "gluon"]
+        replayed, _ = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
+    assert calls == ["gluon", "gluon"]
+    lens.copy_(lens_before)
     graph.replay()
     torch.cuda.synchronize()
-    check_call(inputs, replayed, cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
+    assert torch.equal(replayed, eager)
+    for replayed_part, eager_part in zip(inputs.cache, eager_cache, strict=True):
+        assert torch.equal(replayed_part.nan_to_num(), eager_part.nan_to_num())

@@ -34,12 +34,17 @@ except ImportError:
 
 __all__ = [
     "HAS_GLUON", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "mma_v2", "partition_barrier",
-    "runs_on", "tile_descriptor", "tma_load", "warpgroup_mma", "warpgroup_mma_wait",
+    "runs_on", "tile_descriptor", "cached_tile_descriptor", "tma_load", "warpgroup_mma", "warpgroup_mma_wait",
 ]  # fmt: skip
 
 
+@functools.cache
 def runs_on(device: torch.device) -> bool:
-    """Whether the Gluon kernels can run on ``device``: an sm_90 GPU, not the interpreter."""
+    """Whether the Gluon kernels can run on ``device``: an sm_90 GPU, not the interpreter.
+
+    Cached: ops asks on every call, and the capability query alone cost 2.5-5 us of host time on the H100
+    machine (benchmarks/NOTES.md, entry 31).
+    """
     if not HAS_GLUON or device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
         return False
     return torch.cuda.get_device_capability(device)[0] == 9
@@ -56,3 +61,42 @@ def tile_descriptor(tensor: torch.Tensor, block_rows: int) -> TensorDescriptor:
     head_dim = tensor.shape[-1]
     layout = _tile_layout(tensor.dtype, block_rows, head_dim)
     return TensorDescriptor.from_tensor(tensor.view(-1, head_dim), [block_rows, head_dim], layout)
+
+
+class _DeviceAddress:
+    """What a host TMA descriptor reads of its base tensor (the address and the dtype), without holding it."""
+
+    __slots__ = ("address", "dtype")
+
+    def __init__(self, address: int, dtype: torch.dtype) -> None:
+        self.address = address
+        self.dtype = dtype
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+MAX_CACHED_DESCRIPTORS = 1024  # two per layer of each live cache; a new allocation adds one
+_descriptors: dict[tuple, TensorDescriptor] = {}
+
+
+def cached_tile_descriptor(tensor: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """:func:`tile_descriptor` for a tensor that lives across calls (a KV cache), built once per address.
+
+    Building a descriptor (a view, and the dataclass's checks) is most of the host time an eager decode call
+    would add to its launch (benchmarks/NOTES.md, entry 30). A descriptor is a function of the address, shape,
+    dtype and box alone, so that is the key. It holds the address, not the tensor: a freed cache's memory is
+    not kept alive, and a new tensor at the same address and shape gets the same, still correct, descriptor.
+    """
+    key = (tensor.data_ptr(), tensor.numel(), tensor.shape[-1], tensor.dtype, block_rows)
+    descriptor = _descriptors.get(key)
+    if descriptor is None:
+        head_dim = tensor.shape[-1]
+        rows = tensor.numel() // head_dim
+        layout = _tile_layout(tensor.dtype, block_rows, head_dim)
+        base = _DeviceAddress(tensor.data_ptr(), tensor.dtype)
+        descriptor = TensorDescriptor(base, [rows, head_dim], [head_dim, 1], [block_rows, head_dim], layout)
+        if len(_descriptors) >= MAX_CACHED_DESCRIPTORS:
+            _descriptors.clear()
+        _descriptors[key] = descriptor
+    return descriptor

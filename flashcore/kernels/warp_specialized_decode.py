@@ -2,8 +2,8 @@
 
 Semantics are :func:`flashcore.ops.attention_with_kv_cache`'s, for the calls this kernel takes: one new token
 per row (``S_q == 1``, no ``query_lens``, no window), fp16/bf16, ``D`` 64 or 128, ``H_q // H_kv <= 16``,
-contiguous caches, on an sm_90 GPU. :func:`supports` says whether a call is one of them; ops.py hands them over
-under CUDA-graph capture only (eagerly, the Triton kernel's single launch costs less host time).
+contiguous caches, on an sm_90 GPU. :func:`supports` says whether a call is one of them; ops.py hands each of
+them over, eager or captured into a CUDA graph, so that a graph-replayed decode step gives the eager one's bits.
 
 Why a second decode kernel, in Gluon rather than Triton: at decode the K/V stream is the whole cost, and the
 Triton kernel's software pipeline keeps a block barrier at every stage handoff, so its loads are issued late
@@ -16,27 +16,33 @@ each of 20 decode rows of bench_attention, most on the short ones (B1 L1k 7.9 ->
 Grid ``(B * H_kv, KV splits)``, GQA packed as in the Triton kernel: one program attends the ``GROUP`` query heads
 of one KV head, padded to a 16-row mma.sync tile. The cached prefix ``[0, L_b)`` is split into equal runs of key
 tiles; split 0 appends the new token's K/V at ``L_b``, the last split attends to it from ``key``/``value``. With
-one split the row's last program advances ``seq_lens``; with more, :func:`merge_kv_splits` does.
+one split the row's last program advances ``seq_lens``. With more, the splits are merged where the Triton kernel
+merges its own (split_kv.py): eagerly, by the last split of each (batch, KV head) to finish, in this launch, since
+a second launch would double the host time, which is an eager call's cost; under capture, by split_kv's merge
+launch. That merge advances ``seq_lens`` too, and both give the same bits.
 """
 
 from __future__ import annotations
 
-import torch
+import functools
 
-from flashcore.kernels import configs, gluon_hopper
+import torch
+import triton
+
+from flashcore.kernels import attention, configs, gluon_hopper
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 from flashcore.kernels.scratch import scratch_buffer, split_partials
 from flashcore.kernels.split_kv import merge_kv_splits
 
 if gluon_hopper.HAS_GLUON:
     from flashcore.kernels.gluon_hopper import (
+        cached_tile_descriptor,
         fence_async_shared,
         gl,
         gluon,
         mbarrier,
         mma_v2,
         partition_barrier,
-        tile_descriptor,
         tma_load,
     )
 
@@ -53,13 +59,12 @@ MAX_REGISTERS = 128
 
 def supports(query, key, value, k_cache, v_cache, query_lens, sliding_window: int) -> bool:
     """Whether this kernel can run a (validated) call: see the module docstring for the list."""
-    if not gluon_hopper.runs_on(query.device):
-        return False
     batch, num_q_heads, num_new, head_dim = query.shape
+    if num_new != 1 or not gluon_hopper.runs_on(query.device):
+        return False
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     return (
-        num_new == 1
-        and query_lens is None
+        query_lens is None
         and sliding_window == 0
         and query.dtype in (torch.float16, torch.bfloat16)
         and head_dim in HEAD_DIMS
@@ -82,6 +87,51 @@ if gluon_hopper.HAS_GLUON:
         if gl.atomic_add(row_tickets_ptr + batch, 1, sem="acq_rel") == num_row_programs - 1:
             gl.store(seq_lens_ptr + batch, new_seq_len)
             gl.atomic_xchg(row_tickets_ptr + batch, 0)
+
+    @gluon.jit
+    def _merge_kv_splits(
+        partial_out_ptr, partial_lse_ptr, out_ptr, first_row, num_rows, num_splits,
+        HEAD_DIM: gl.constexpr, SPLITS_PAD: gl.constexpr, MERGE_ROWS: gl.constexpr, NUM_WARPS: gl.constexpr,
+    ):  # fmt: skip
+        """``split_kv._merge_kv_splits`` in Gluon (which cannot call a Triton function), op for op: each output
+        element is summed over the splits in index order by the thread that holds it, so this merge (eager calls)
+        and split_kv's merge launch (captured calls) give the same bits, and a graph-replayed decode step the
+        same tokens as an eager one. Rows ``[first_row, first_row + num_rows)``, at most ``MERGE_ROWS``."""
+        tile: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NUM_WARPS, 1], [1, 0])
+        rows_of_tile: gl.constexpr = gl.SliceLayout(1, tile)
+        cols_of_tile: gl.constexpr = gl.SliceLayout(0, tile)
+        offs_row = gl.arange(0, MERGE_ROWS, layout=rows_of_tile)
+        offs_split = gl.arange(0, SPLITS_PAD, layout=cols_of_tile)
+        offs_d = gl.arange(0, HEAD_DIM, layout=cols_of_tile)
+        is_row_valid = offs_row < num_rows
+        rows = (first_row + offs_row).to(gl.int64)
+        mask_split = is_row_valid[:, None] & (offs_split[None, :] < num_splits)
+        lse = gl.load(
+            partial_lse_ptr + rows[:, None] * num_splits + offs_split[None, :],
+            mask=mask_split,
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
+        lse_max = gl.max(lse, 1)
+        lse_shift = gl.where(lse_max == float("-inf"), 0.0, lse_max)
+        merged = gl.zeros([MERGE_ROWS, HEAD_DIM], gl.float32, tile)
+        weight_sum = gl.zeros([MERGE_ROWS], gl.float32, rows_of_tile)
+        for split in gl.static_range(SPLITS_PAD):
+            is_split = is_row_valid & (split < num_splits)
+            partial_row = rows * num_splits + split
+            split_lse = gl.load(partial_lse_ptr + partial_row, mask=is_split, other=float("-inf"), cache_modifier=".cg")
+            partial = gl.load(
+                partial_out_ptr + partial_row[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=is_split[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            weight = gl.exp2(split_lse - lse_shift)
+            weight_sum += weight
+            merged += partial * weight[:, None]
+        merged = merged / gl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
+        out_ptrs = out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        gl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=is_row_valid[:, None])
 
     @gluon.jit
     def _stream_kv_tiles(
@@ -110,11 +160,13 @@ if gluon_hopper.HAS_GLUON:
     @gluon.jit
     def _attend_kv_tiles(
         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-        k_tiles, v_tiles, ready, empty,
+        seq_lens_ptr, row_tickets_ptr, tile_tickets_ptr, k_tiles, v_tiles, ready, empty,
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-        batch, kv_head, split, num_splits, seq_len, lo, hi, num_tiles, row_base, num_q_heads, capacity, qk_scale,
+        batch, kv_head, split, num_splits, seq_len, new_seq_len, lo, hi, num_tiles, row_base, num_kv_heads, capacity,
+        qk_scale,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        USE_SPLIT_KV: gl.constexpr, ADVANCE_SEQ_LENS: gl.constexpr, NUM_WARPS: gl.constexpr,
+        USE_SPLIT_KV: gl.constexpr, MERGE_IN_LAUNCH: gl.constexpr, SPLITS_PAD: gl.constexpr,
+        MERGE_ROWS: gl.constexpr, ADVANCE_SEQ_LENS: gl.constexpr, NUM_WARPS: gl.constexpr,
     ):  # fmt: skip
         """The consumer warps: online softmax over the stages as they land, then the epilogue."""
         NUM_STAGES: gl.constexpr = k_tiles.type.shape[0]
@@ -198,13 +250,30 @@ if gluon_hopper.HAS_GLUON:
         # A split that saw no key produces exactly 0 and an LSE of -inf, which the merge weighs as nothing.
         has_keys = mask_m & (l_i > 0.0)
         out = gl.where(has_keys[:, None], acc / gl.where(has_keys, l_i, 1.0)[:, None], 0.0)
-        out_rows = batch * num_q_heads + head  # flat (batch, q head): one new token per row
+        first_out_row = batch * num_kv_heads * GROUP + kv_head * GROUP  # flat (batch, q head): one token per row
+        out_rows = first_out_row + offs_m
         if USE_SPLIT_KV:
             partial_rows = out_rows * num_splits + split
             partial_offsets = partial_rows[:, None] * HEAD_DIM + offs_d[None, :]
             gl.store(partial_out_ptr + partial_offsets, out, mask=mask_m[:, None])
             lse = gl.where(has_keys, m_i + gl.log2(gl.where(has_keys, l_i, 1.0)), float("-inf"))
             gl.store(partial_lse_ptr + partial_rows, lse, mask=mask_m)
+            if MERGE_IN_LAUNCH:
+                # -- merge: the last split of the (batch, KV head) to finish combines all of them --
+                # The barrier puts every consumer warp's partial stores before the ticket, whose release then
+                # publishes them; the last taker's acquire makes all splits' partials visible to its loads.
+                # Only these warps ever read seq_lens (worker warps idle outside their partition), so the last
+                # merge of the row may advance it.
+                partition_barrier()
+                tile_ticket_ptr = tile_tickets_ptr + batch * num_kv_heads + kv_head
+                if gl.atomic_add(tile_ticket_ptr, 1, sem="acq_rel") == num_splits - 1:
+                    gl.atomic_xchg(tile_ticket_ptr, 0)
+                    for merge_start in range(0, GROUP, MERGE_ROWS):
+                        _merge_kv_splits(
+                            partial_out_ptr, partial_lse_ptr, out_ptr, first_out_row + merge_start,
+                            GROUP - merge_start, num_splits, HEAD_DIM, SPLITS_PAD, MERGE_ROWS, NUM_WARPS,
+                        )  # fmt: skip
+                    _advance_seq_len(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_kv_heads)
         else:
             out_offsets = out_rows[:, None] * HEAD_DIM + offs_d[None, :]
             gl.store(out_ptr + out_offsets, out.to(dtype), mask=mask_m[:, None])
@@ -220,6 +289,7 @@ if gluon_hopper.HAS_GLUON:
         v_desc,
         seq_lens_ptr,  # [B] int32
         row_tickets_ptr,  # [B] int32, zero between calls: the row's last program resets it
+        tile_tickets_ptr,  # MERGE_IN_LAUNCH only: [B * H_kv] int32, zero between calls (the last split resets it)
         out_ptr,  # [B, H_q, 1, D], contiguous
         partial_out_ptr,  # USE_SPLIT_KV only: [B * H_q, splits, D] fp32
         partial_lse_ptr,  # USE_SPLIT_KV only: [B * H_q, splits] fp32
@@ -233,13 +303,16 @@ if gluon_hopper.HAS_GLUON:
         BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         USE_SPLIT_KV: gl.constexpr,  # else one program per (batch, KV head) row, which advances seq_lens itself
+        MERGE_IN_LAUNCH: gl.constexpr,  # with USE_SPLIT_KV: the last split merges (else split_kv's merge launch)
+        SPLITS_PAD: gl.constexpr,  # MERGE_IN_LAUNCH only: splits, rounded up to a power of two
+        MERGE_ROWS: gl.constexpr,  # MERGE_IN_LAUNCH only: query heads merged per step (bounds its registers)
         USE_PDL: gl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
         NUM_WARPS: gl.constexpr,  # the consumer warps (the kernel's num_warps)
     ):  # fmt: skip
         # -- programmatic dependent launch (see the Triton kernel) --
         if USE_PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-            if USE_SPLIT_KV:
+            if USE_SPLIT_KV and not MERGE_IN_LAUNCH:
                 gl.inline_asm_elementwise(
                     "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
                 )
@@ -267,18 +340,19 @@ if gluon_hopper.HAS_GLUON:
             mbarrier.init(ready.index(stage), count=1)
             mbarrier.init(empty.index(stage), count=1)
 
-        ADVANCE_SEQ_LENS: gl.constexpr = not USE_SPLIT_KV  # with splits, the merge launch advances it
+        ADVANCE_SEQ_LENS: gl.constexpr = not USE_SPLIT_KV  # with splits, the merge (in or after this launch) does
         gl.warp_specialize(
             [
                 (
                     _attend_kv_tiles,
                     (
                         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
-                        k_tiles, v_tiles, ready, empty,
+                        seq_lens_ptr, row_tickets_ptr, tile_tickets_ptr, k_tiles, v_tiles, ready, empty,
                         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-                        batch, kv_head, split, num_splits, seq_len, lo, hi, num_tiles, row_base,
-                        num_kv_heads * GROUP, capacity, qk_scale,
-                        GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, USE_SPLIT_KV, ADVANCE_SEQ_LENS, NUM_WARPS,
+                        batch, kv_head, split, num_splits, seq_len, seq_len_before + 1, lo, hi, num_tiles, row_base,
+                        num_kv_heads, capacity, qk_scale,
+                        GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, USE_SPLIT_KV, MERGE_IN_LAUNCH, SPLITS_PAD, MERGE_ROWS,
+                        ADVANCE_SEQ_LENS, NUM_WARPS,
                     ),
                 ),
                 (
@@ -297,6 +371,14 @@ if gluon_hopper.HAS_GLUON:
     _launch_decode = CachedLauncher(_warp_specialized_decode_kernel)
 
 
+@functools.cache
+def _split_plan(batch_kv_heads: int, capacity: int, group: int, head_dim: int, device: torch.device) -> tuple:
+    """KV splits, their power-of-two padding and the merge's rows per step: per shape, computed once (host time)."""
+    num_splits = configs.num_kv_splits(batch_kv_heads, capacity, device)
+    splits_pad = triton.next_power_of_2(num_splits)
+    return num_splits, splits_pad, configs.merge_rows(group, BLOCK_M, splits_pad, head_dim)
+
+
 def decode_with_kv_cache(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -306,17 +388,23 @@ def decode_with_kv_cache(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Append-and-attend for a call that :func:`supports` accepts; with splits, a second launch merges them."""
+    """Append-and-attend for a call that :func:`supports` accepts, in one launch; with KV splits under graph
+    capture, split_kv's merge launch follows (where the splits merge: ``attention.merges_in_attention_launch``)."""
     batch, num_q_heads, _, head_dim = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if batch == 0:
         return out
-    num_splits = configs.num_kv_splits(batch * num_kv_heads, capacity, query.device)
+    num_splits, splits_pad, merge_rows = _split_plan(batch * num_kv_heads, capacity, group, head_dim, query.device)
     row_tickets = scratch_buffer("row_tickets", batch, torch.int32, query.device)
+    tile_tickets = row_tickets  # unused without MERGE_IN_LAUNCH
+    merge_in_launch = False
     if num_splits > 1:
         partial_out, partial_lse = split_partials(batch * num_q_heads, num_splits, head_dim, query.device)
+        merge_in_launch = attention.merges_in_attention_launch(query.device)
+        if merge_in_launch:
+            tile_tickets = scratch_buffer("tile_tickets", batch * num_kv_heads, torch.int32, query.device)
     else:
         partial_out = partial_lse = out  # unused without USE_SPLIT_KV
     use_pdl = uses_programmatic_launch(query.device)
@@ -324,8 +412,8 @@ def decode_with_kv_cache(
         (batch * num_kv_heads, num_splits, 1),
         (
             query, key, value, k_cache, v_cache,
-            tile_descriptor(k_cache, BLOCK_N), tile_descriptor(v_cache, BLOCK_N),
-            seq_lens, row_tickets, out, partial_out, partial_lse,
+            cached_tile_descriptor(k_cache, BLOCK_N), cached_tile_descriptor(v_cache, BLOCK_N),
+            seq_lens, row_tickets, tile_tickets, out, partial_out, partial_lse,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             num_kv_heads, capacity, scale * LOG2_E,
         ),
@@ -336,6 +424,9 @@ def decode_with_kv_cache(
             BLOCK_N=BLOCK_N,
             NUM_STAGES=NUM_STAGES,
             USE_SPLIT_KV=num_splits > 1,
+            MERGE_IN_LAUNCH=merge_in_launch,
+            SPLITS_PAD=splits_pad,
+            MERGE_ROWS=merge_rows,
             USE_PDL=use_pdl,
             NUM_WARPS=NUM_CONSUMER_WARPS,
         ),
@@ -344,6 +435,6 @@ def decode_with_kv_cache(
         launch_pdl=use_pdl,
         maxnreg=MAX_REGISTERS,
     )  # fmt: skip
-    if num_splits > 1:
+    if num_splits > 1 and not merge_in_launch:
         merge_kv_splits(partial_out, partial_lse, out, seq_lens, None)
     return out
