@@ -172,7 +172,9 @@ def _attention_with_kv_cache_impl(
 
         # Eagerly and under capture alike, so that a graph-replayed decode step computes what an eager one does.
         if warp_specialized_decode.supports(query, key, value, k_cache, v_cache, query_lens, sliding_window):
-            return warp_specialized_decode.decode_with_kv_cache(query, key, value, k_cache, v_cache, seq_lens, scale)
+            return warp_specialized_decode.decode_with_kv_cache(
+                query, key, value, k_cache, v_cache, seq_lens, query_lens, scale
+            )
         if warp_specialized_prefill.supports(
             query, key, value, k_cache, v_cache, query_lens, is_causal, sliding_window
         ):

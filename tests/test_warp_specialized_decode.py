@@ -25,12 +25,14 @@ hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="the Gluon decode kernel 
 LOW_PRECISION = [torch.float16, torch.bfloat16]
 
 
-def _decode_inputs(generator, device, dtype, *, heads=(32, 8), head_dim=128, seq_lens=(100,), capacity=None):
+def _decode_inputs(
+    generator, device, dtype, *, heads=(32, 8), head_dim=128, seq_lens=(100,), capacity=None, query_lens=None
+):
     num_q_heads, num_kv_heads = heads
     return make_call_inputs(
         randn, generator=generator, dtype=dtype, device=device, num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads, num_new=1, head_dim=head_dim, capacity=capacity or max(seq_lens) + 8,
-        seq_lens=list(seq_lens), query_lens=[1] * len(seq_lens),
+        seq_lens=list(seq_lens), query_lens=list(query_lens or [1] * len(seq_lens)),
     )  # fmt: skip
 
 
@@ -41,12 +43,12 @@ def _supports(inputs, query_lens=None, sliding_window=0, k_cache=None):
     )
 
 
-def _decode(inputs):
+def _decode(inputs, query_lens=None):
     """The kernel on one call's inputs, as ops would run it (scale 1 / sqrt(D))."""
     k_cache, v_cache, seq_lens = inputs.cache
     scale = inputs.query.shape[-1] ** -0.5
     out = warp_specialized_decode.decode_with_kv_cache(
-        inputs.query, inputs.key, inputs.value, k_cache, v_cache, seq_lens, scale
+        inputs.query, inputs.key, inputs.value, k_cache, v_cache, seq_lens, query_lens, scale
     )
     return out, inputs.cache
 
@@ -57,7 +59,7 @@ def test_supports_only_the_decode_calls_it_was_built_for(device, generator):
     if not ON_HOPPER:
         return
     one_token = torch.ones(1, dtype=torch.int32, device=device)
-    assert not _supports(inputs, query_lens=one_token)
+    assert _supports(inputs, query_lens=one_token)  # HF passes query_lens whenever it passes a padding mask
     assert not _supports(inputs, sliding_window=16)
     assert not _supports(_decode_inputs(generator, device, torch.float32))
     assert not _supports(_decode_inputs(generator, device, torch.float16, head_dim=80))
@@ -108,6 +110,19 @@ def test_row_filled_to_the_last_slot(device, generator):
 
 
 @hopper_only
+@pytest.mark.parametrize("seq_len", [40, 3000], ids=["one_split", "split"])
+def test_padding_rows_store_nothing_and_output_zero(seq_len, device, generator):
+    """query_lens 0 marks a row's token as padding (NaN here): nothing appended, seq_lens unchanged, output 0;
+    the other rows are unaffected. HF's generate passes query_lens at every decode step (its mask)."""
+    query_lens = [1, 0, 1, 0]
+    inputs = _decode_inputs(generator, device, torch.bfloat16, seq_lens=[seq_len, seq_len - 7, 5, 0],
+                            capacity=seq_len + 8, query_lens=query_lens)  # fmt: skip
+    lens = torch.tensor(query_lens, dtype=torch.int32, device=device)
+    out, cache = _decode(inputs, query_lens=lens)
+    check_call(inputs, out, cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
+
+
+@hopper_only
 @pytest.mark.parametrize(
     "heads, head_dim, capacity",
     [((32, 8), 128, 1100), ((9, 3), 64, 4100), ((32, 32), 128, 4100), ((16, 1), 128, 1100)],
@@ -135,10 +150,12 @@ def test_split_merge_placements_agree_bitwise(heads, head_dim, capacity, device,
 
 
 @hopper_only
+@pytest.mark.parametrize("with_query_lens", [False, True], ids=["no_query_lens", "query_lens"])
 @pytest.mark.parametrize("batch", [1, 64], ids=["split", "one_program_per_row"])
-def test_ops_runs_it_eagerly_and_captured_with_the_same_bits(batch, device, generator, monkeypatch):
+def test_ops_runs_it_eagerly_and_captured_with_the_same_bits(batch, with_query_lens, device, generator, monkeypatch):
     """ops hands a decode call to this kernel whether it runs eagerly or is captured into a CUDA graph, so a
-    replayed step writes the eager step's bits: output, cache and seq_lens."""
+    replayed step writes the eager step's bits: output, cache and seq_lens. With query_lens too, which HF's
+    generate passes at every step."""
     calls = []
 
     def spy(name, run):
@@ -156,7 +173,10 @@ def test_ops_runs_it_eagerly_and_captured_with_the_same_bits(batch, device, gene
     inputs = _decode_inputs(generator, device, torch.bfloat16, seq_lens=seq_lens, capacity=1600)
     k_cache, v_cache, lens = inputs.cache
     lens_before = lens.clone()
-    eager, _ = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
+    query_lens = torch.ones(batch, dtype=torch.int32, device=device) if with_query_lens else None
+    eager, _ = flashcore.attention_with_kv_cache(
+        inputs.query, inputs.key, inputs.value, inputs.cache, query_lens=query_lens
+    )
     check_call(inputs, eager, inputs.cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
     assert calls == ["gluon"]
     eager_cache = (k_cache.clone(), v_cache.clone(), lens.clone())
@@ -164,7 +184,9 @@ def test_ops_runs_it_eagerly_and_captured_with_the_same_bits(batch, device, gene
     lens.copy_(lens_before)  # the captured call appends the same token to the same slot
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed, _ = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
+        replayed, _ = flashcore.attention_with_kv_cache(
+            inputs.query, inputs.key, inputs.value, inputs.cache, query_lens=query_lens
+        )
     assert calls == ["gluon", "gluon"]
     lens.copy_(lens_before)
     graph.replay()

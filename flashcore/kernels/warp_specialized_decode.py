@@ -1,9 +1,10 @@
 """Warp-specialised decode for Hopper: one producer warp streams K/V with TMA while four warps attend.
 
 Semantics are :func:`flashcore.ops.attention_with_kv_cache`'s, for the calls this kernel takes: one new token
-per row (``S_q == 1``, no ``query_lens``, no window), fp16/bf16, ``D`` 64 or 128, ``H_q // H_kv <= 16``,
-contiguous caches, on an sm_90 GPU. :func:`supports` says whether a call is one of them; ops.py hands each of
-them over, eager or captured into a CUDA graph, so that a graph-replayed decode step gives the eager one's bits.
+per row (``S_q == 1``; ``query_lens`` may mark a row as padding), no window, fp16/bf16, ``D`` 64 or 128,
+``H_q // H_kv <= 16``, contiguous caches, on an sm_90 GPU. :func:`supports` says whether a call is one of them;
+ops.py hands each of them over, eager or captured into a CUDA graph, so that a graph-replayed decode step gives
+the eager one's bits.
 
 Why a second decode kernel, in Gluon rather than Triton: at decode the K/V stream is the whole cost, and the
 Triton kernel's software pipeline keeps a block barrier at every stage handoff, so its loads are issued late
@@ -64,8 +65,7 @@ def supports(query, key, value, k_cache, v_cache, query_lens, sliding_window: in
         return False
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     return (
-        query_lens is None
-        and sliding_window == 0
+        sliding_window == 0
         and query.dtype in (torch.float16, torch.bfloat16)
         and head_dim in HEAD_DIMS
         and num_q_heads // num_kv_heads <= BLOCK_M
@@ -162,8 +162,8 @@ if gluon_hopper.HAS_GLUON:
         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
         seq_lens_ptr, row_tickets_ptr, tile_tickets_ptr, k_tiles, v_tiles, ready, empty,
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-        batch, kv_head, split, num_splits, seq_len, new_seq_len, lo, hi, num_tiles, row_base, num_kv_heads, capacity,
-        qk_scale,
+        batch, kv_head, split, num_splits, seq_len, row_new, new_seq_len, lo, hi, num_tiles, row_base, num_kv_heads,
+        capacity, qk_scale,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         USE_SPLIT_KV: gl.constexpr, MERGE_IN_LAUNCH: gl.constexpr, SPLITS_PAD: gl.constexpr,
         MERGE_ROWS: gl.constexpr, ADVANCE_SEQ_LENS: gl.constexpr, NUM_WARPS: gl.constexpr,
@@ -195,7 +195,7 @@ if gluon_hopper.HAS_GLUON:
         # Into [seq_len, seq_len + 1), which no split reads as a key (a tail copy may cover it: masked below).
         if split == 0:
             # A row already at capacity (only with check=False) stores nothing: tokens past capacity are dropped.
-            mask_append = (offs_d < HEAD_DIM) & (seq_len < capacity)
+            mask_append = (offs_d < HEAD_DIM) & (seq_len < capacity) & (row_new > 0)
             append_offsets = (row_base + seq_len).to(gl.int64) * HEAD_DIM + offs_d
             gl.store(k_cache_ptr + append_offsets, k_new, mask=mask_append)
             gl.store(v_cache_ptr + append_offsets, v_new, mask=mask_append)
@@ -236,8 +236,8 @@ if gluon_hopper.HAS_GLUON:
             m_i = m_new
             acc = mma_v2(gl.convert_layout(p.to(dtype), a_operand), v, acc * alpha[:, None])
 
-        # -- attend: the new token (the last split owns it) --
-        if split == num_splits - 1:
+        # -- attend: the new token (the last split owns it; a padding row has none) --
+        if (split == num_splits - 1) & (row_new > 0):
             score_new = gl.sum(q.to(gl.float32) * k_new.to(gl.float32)[None, :], 1) * qk_scale
             m_new = gl.maximum(m_i, score_new)
             p_new = gl.exp2(score_new - m_new)
@@ -288,6 +288,7 @@ if gluon_hopper.HAS_GLUON:
         k_desc,  # TMA descriptor over k_cache viewed as [B * H_kv * S_max, D], [BLOCK_N, D] boxes
         v_desc,
         seq_lens_ptr,  # [B] int32
+        query_lens_ptr,  # [B] int32, HAS_QUERY_LENS only: 1 for a new token, 0 for a padding row
         row_tickets_ptr,  # [B] int32, zero between calls: the row's last program resets it
         tile_tickets_ptr,  # MERGE_IN_LAUNCH only: [B * H_kv] int32, zero between calls (the last split resets it)
         out_ptr,  # [B, H_q, 1, D], contiguous
@@ -302,6 +303,7 @@ if gluon_hopper.HAS_GLUON:
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr,
+        HAS_QUERY_LENS: gl.constexpr,
         USE_SPLIT_KV: gl.constexpr,  # else one program per (batch, KV head) row, which advances seq_lens itself
         MERGE_IN_LAUNCH: gl.constexpr,  # with USE_SPLIT_KV: the last split merges (else split_kv's merge launch)
         SPLITS_PAD: gl.constexpr,  # MERGE_IN_LAUNCH only: splits, rounded up to a power of two
@@ -326,9 +328,13 @@ if gluon_hopper.HAS_GLUON:
         # With check=False seq_lens may be negative or at capacity; reads and writes stay inside the cache.
         seq_len_before = gl.load(seq_lens_ptr + batch)
         seq_len = gl.minimum(gl.maximum(seq_len_before, 0), capacity)
+        if HAS_QUERY_LENS:
+            row_new = gl.minimum(gl.maximum(gl.load(query_lens_ptr + batch), 0), 1)
+        else:
+            row_new = 1
         split_len = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
         lo = gl.minimum(split * split_len, seq_len)
-        hi = gl.minimum(lo + split_len, seq_len)
+        hi = lo + (gl.minimum(lo + split_len, seq_len) - lo) * row_new  # a padding row reads nothing: its output is 0
         num_tiles = gl.cdiv(hi - lo, BLOCK_N)
         row_base = pid_bh * capacity
 
@@ -349,8 +355,8 @@ if gluon_hopper.HAS_GLUON:
                         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
                         seq_lens_ptr, row_tickets_ptr, tile_tickets_ptr, k_tiles, v_tiles, ready, empty,
                         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-                        batch, kv_head, split, num_splits, seq_len, seq_len_before + 1, lo, hi, num_tiles, row_base,
-                        num_kv_heads, capacity, qk_scale,
+                        batch, kv_head, split, num_splits, seq_len, row_new, seq_len_before + row_new, lo, hi,
+                        num_tiles, row_base, num_kv_heads, capacity, qk_scale,
                         GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, USE_SPLIT_KV, MERGE_IN_LAUNCH, SPLITS_PAD, MERGE_ROWS,
                         ADVANCE_SEQ_LENS, NUM_WARPS,
                     ),
@@ -359,7 +365,7 @@ if gluon_hopper.HAS_GLUON:
                     _stream_kv_tiles,
                     (
                         k_desc, v_desc, k_tiles, v_tiles, ready, empty, seq_lens_ptr, row_tickets_ptr,
-                        batch, seq_len_before + 1, row_base, lo, num_tiles, num_kv_heads,
+                        batch, seq_len_before + row_new, row_base, lo, num_tiles, num_kv_heads,
                         ADVANCE_SEQ_LENS, BLOCK_N,
                     ),
                 ),
@@ -386,6 +392,7 @@ def decode_with_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     seq_lens: torch.Tensor,
+    query_lens: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     """Append-and-attend for a call that :func:`supports` accepts, in one launch; with KV splits under graph
@@ -413,7 +420,8 @@ def decode_with_kv_cache(
         (
             query, key, value, k_cache, v_cache,
             cached_tile_descriptor(k_cache, BLOCK_N), cached_tile_descriptor(v_cache, BLOCK_N),
-            seq_lens, row_tickets, tile_tickets, out, partial_out, partial_lse,
+            seq_lens, query_lens if query_lens is not None else seq_lens, row_tickets, tile_tickets,
+            out, partial_out, partial_lse,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             num_kv_heads, capacity, scale * LOG2_E,
         ),
@@ -423,6 +431,7 @@ def decode_with_kv_cache(
             BLOCK_M=BLOCK_M,
             BLOCK_N=BLOCK_N,
             NUM_STAGES=NUM_STAGES,
+            HAS_QUERY_LENS=query_lens is not None,
             USE_SPLIT_KV=num_splits > 1,
             MERGE_IN_LAUNCH=merge_in_launch,
             SPLITS_PAD=splits_pad,
@@ -436,5 +445,5 @@ def decode_with_kv_cache(
         maxnreg=MAX_REGISTERS,
     )  # fmt: skip
     if num_splits > 1 and not merge_in_launch:
-        merge_kv_splits(partial_out, partial_lse, out, seq_lens, None)
+        merge_kv_splits(partial_out, partial_lse, out, seq_lens, query_lens)
     return out
