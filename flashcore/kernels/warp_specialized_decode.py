@@ -150,9 +150,9 @@ if gluon_hopper.HAS_GLUON:
             tma_load(k_desc, [row, 0], ready.index(stage), k_tiles.index(stage))
             tma_load(v_desc, [row, 0], ready.index(stage), v_tiles.index(stage))
         if ADVANCE_SEQ_LENS:
-            # Taken after the last copy is issued, while the consumers work through the last stages. Stage 0's
-            # first hand-back means every consumer warp is past its read of seq_lens (this warp read it before
-            # its first copy).
+            # Taken after the last copy is issued, while the consumers work through the last stages. Only the
+            # consumer warps read seq_lens (worker warps idle until their partition starts), and stage 0's first
+            # hand-back means every one of them is past that read.
             if num_tiles <= NUM_STAGES:
                 mbarrier.wait(empty.index(0), 0)
             _advance_seq_len(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_row_programs)
