@@ -1,4 +1,5 @@
-"""What the Gluon kernels share: their imports across triton versions, where they can run, their TMA descriptors.
+"""What the Gluon kernels share: their imports across triton versions, where they can run, their TMA descriptors,
+and the online-softmax step.
 
 Gluon (``triton.experimental.gluon``) ships with triton but is experimental: names move between versions (3.6 on
 the H100 machine, 3.9 on CI), and it has no interpreter. Without it, :func:`runs_on` is False and the kernels that
@@ -33,9 +34,24 @@ except ImportError:
     HAS_GLUON = False
 
 __all__ = [
-    "HAS_GLUON", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "mma_v2", "partition_barrier",
-    "runs_on", "tile_descriptor", "cached_tile_descriptor", "tma_load", "warpgroup_mma", "warpgroup_mma_wait",
+    "HAS_GLUON", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "mma_v2", "online_softmax_step",
+    "partition_barrier", "runs_on", "tile_descriptor", "cached_tile_descriptor", "tma_load", "warpgroup_mma",
+    "warpgroup_mma_wait",
 ]  # fmt: skip
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def online_softmax_step(scores, m_i, l_i, qk_scale):
+        """One key tile of the online softmax over fp32 ``scores`` (hidden keys at -inf), ``qk_scale`` being the
+        softmax scale times log2(e). Returns ``p`` (this tile's unnormalised weights), ``alpha`` (the factor for
+        what was accumulated before), and the row max and row sum after the tile."""
+        m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
+        # A row with nothing visible yet keeps m = -inf; shifting by 0 keeps exp2 finite (0, not NaN).
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(scores * qk_scale - m_shift[:, None])
+        alpha = gl.exp2(m_i - m_shift)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
 @functools.cache

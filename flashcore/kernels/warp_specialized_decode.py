@@ -43,6 +43,7 @@ if gluon_hopper.HAS_GLUON:
         gluon,
         mbarrier,
         mma_v2,
+        online_softmax_step,
         partition_barrier,
         tma_load,
     )
@@ -227,13 +228,7 @@ if gluon_hopper.HAS_GLUON:
             mbarrier.arrive(empty.index(stage), count=1)
             scores = mma_v2(q_operand, k, zero_scores)
             scores = gl.where((lo + i * BLOCK_N + offs_n < hi)[None, :], scores, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
-            # A row with nothing visible yet keeps m = -inf; shifting by 0 keeps exp2 finite (0, not NaN).
-            m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p = gl.exp2(scores * qk_scale - m_shift[:, None])
-            alpha = gl.exp2(m_i - m_shift)
-            l_i = l_i * alpha + gl.sum(p, 1)
-            m_i = m_new
+            p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i, qk_scale)
             acc = mma_v2(gl.convert_layout(p.to(dtype), a_operand), v, acc * alpha[:, None])
 
         # -- attend: the new token (the last split owns it; a padding row has none) --

@@ -30,6 +30,7 @@ if gluon_hopper.HAS_GLUON:
         gl,
         gluon,
         mbarrier,
+        online_softmax_step,
         partition_barrier,
         tile_descriptor,
         tma_load,
@@ -178,13 +179,7 @@ if gluon_hopper.HAS_GLUON:
                     scores = gl.where((i * TILE_N + offs_n < seq_len)[None, :], scores, float("-inf"))
                 elif i >= num_cache_tiles and new0 + TILE_N - 1 > first_row:  # a diagonal tile
                     scores = gl.where((new0 + offs_n)[None, :] <= token[:, None], scores, float("-inf"))
-                m_new = gl.maximum(m_i, gl.max(scores, 1) * qk_scale)
-                # A row with nothing visible yet keeps m = -inf; shifting by 0 keeps exp2 finite (0, not NaN).
-                m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-                p = gl.exp2(scores * qk_scale - m_shift[:, None])
-                alpha = gl.exp2(m_i - m_shift)
-                l_i = l_i * alpha + gl.sum(p, 1)
-                m_i = m_new
+                p, alpha, m_i, l_i = online_softmax_step(scores, m_i, l_i, qk_scale)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 p_op = gl.convert_layout(p.to(dtype), p_operand)
                 token_o = warpgroup_mma(p_op, v_tiles.index(stage), acc, is_async=True)
