@@ -12,7 +12,9 @@ elementwise ops around the GEMMs; flashcore's op stays one opaque call in it). A
 is small-kernel latency, not weight streaming, so this is the fast path; its bf16 tokens can differ from eager
 ones where inductor skips an intermediate bf16 rounding (see ``benchmarks/NOTES.md``). ``fuse_projections=True``
 runs each layer's q/k/v and gate/up projections as one GEMM each (on the H100, cuBLAS gives bitwise the same
-outputs as the separate GEMMs, and the 2 MB k/v GEMVs stop being latency-bound).
+outputs as the separate GEMMs, and the 2 MB k/v GEMVs stop being latency-bound). ``layer_kernels=True`` runs the
+norms, RoPE and SiLU-and-mul on flashcore's kernels: inductor then has nothing left to fuse that changes bits, so a
+compiled session keeps eager's tokens, and a plain replayed one launches ~25 fewer kernels per layer.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from flashcore.integrations import fused_projections
 from flashcore.integrations.cache import FlashCoreCache
+from flashcore.integrations.layer_kernels import use_layer_kernels
 from flashcore.integrations.llama import apply_flashcore_to_llama
 
 
@@ -37,6 +40,9 @@ class DecodeSession:
         fuse_projections: concatenate each layer's q/k/v and gate/up weights into one GEMM each (in place, no
             extra memory; :func:`~flashcore.integrations.fused_projections.fuse_projections`). Results equal the
             unfused model's up to the GEMMs' summation order.
+        layer_kernels: run every RMSNorm, the RoPE and the SiLU-and-mul on flashcore's kernels (in place, on the
+            model: :func:`~flashcore.integrations.layer_kernels.use_layer_kernels`), so that eager, replayed and
+            compiled steps compute the same bits.
 
     Usage::
 
@@ -56,12 +62,15 @@ class DecodeSession:
         temperature: float = 0.0,
         compile: bool = False,
         fuse_projections: bool = False,
+        layer_kernels: bool = False,
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
         self.model = apply_flashcore_to_llama(model)
         if fuse_projections:
             fused_projections.fuse_projections(model)
+        if layer_kernels:
+            use_layer_kernels(model)
         device = next(model.parameters()).device
         self.use_cuda_graph = device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
         if self.use_cuda_graph and device.type != "cuda":
@@ -176,12 +185,19 @@ def chunked_argmax(scores: torch.Tensor) -> torch.Tensor:
 
 
 def _inductor_options(device: torch.device) -> dict:
-    """Programmatic dependent launch for inductor's Triton kernels on sm_90+, where this torch has the switch: each
-    kernel launches while the one before it drains, as flashcore's own kernels do. H100, fused session, B1: -1.6%
-    per decode step, tokens unchanged (benchmarks/NOTES.md, entry 29)."""
+    """Inductor's options for the compiled step.
+
+    - ``emulate_precision_casts``: inductor rounds intermediates to the dtype where eager PyTorch does. Without it,
+      it fuses a layer's two residual adds into one kernel that skips the bf16 rounding of the first sum
+      (``benchmarks/NOTES.md``, entry 32), and bf16 tokens leave eager's.
+    - PDL for inductor's Triton kernels on sm_90+, where this torch has the switch: each kernel launches while the
+      one before it drains, as flashcore's own kernels do. H100, fused session, B1: -1.6% per decode step, tokens
+      unchanged (entry 29).
+    """
     import torch._inductor.config as inductor_config
 
+    options = {"emulate_precision_casts": True}
     has_switch = hasattr(inductor_config.triton, "enable_pdl")
     if device.type == "cuda" and has_switch and torch.cuda.get_device_capability(device) >= (9, 0):
-        return {"triton.enable_pdl": True}
-    return {}
+        options["triton.enable_pdl"] = True
+    return options

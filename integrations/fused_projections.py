@@ -9,20 +9,18 @@ The original parameters become views of the concatenated weight: no memory is ad
 the same bytes, and a ``state_dict`` (so ``save_pretrained``) still has every HF name. :func:`unfuse_projections`
 gives each parameter its own storage again and restores the class forwards.
 
-Only the two ``forward`` methods change, per instance; the attention forward is transformers' LlamaAttention
-forward (5.17 to 5.23) with the three projections replaced by one and flashcore's attention function called
-directly, which is why it needs :func:`~flashcore.integrations.llama.apply_flashcore_to_llama` first.
+Only the two ``forward`` methods change, per instance, to the ones
+:mod:`~flashcore.integrations.layer_kernels` defines for both of flashcore's layer switches; they call flashcore's
+attention function directly, which is why this needs :func:`~flashcore.integrations.llama.apply_flashcore_to_llama`
+first.
 """
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from flashcore.integrations.llama import _flashcore_attention
+from flashcore.integrations.layer_kernels import install_forwards, restore_class_forwards
 
 __all__ = ["fuse_projections", "unfuse_projections"]
 
@@ -48,24 +46,24 @@ def fuse_projections(model: torch.nn.Module) -> torch.nn.Module:
         if "_fused_projection" in attention.__dict__:
             continue
         attention._fused_projection = _concatenate(attention, _ATTENTION_PROJECTIONS)
-        attention.forward = types.MethodType(_fused_attention_forward, attention)
         mlp._fused_projection = _concatenate(mlp, _MLP_PROJECTIONS)
-        mlp.forward = types.MethodType(_fused_mlp_forward, mlp)
+        install_forwards(layer)
     return model
 
 
 def unfuse_projections(model: torch.nn.Module) -> torch.nn.Module:
-    """Undoes :func:`fuse_projections`: each projection gets its own storage back, the class forwards return."""
+    """Undoes :func:`fuse_projections`: each projection gets its own storage back, the class forwards return
+    (unless ``use_layer_kernels`` still needs flashcore's)."""
     for layer in model.base_model.layers:
         for module, names in ((layer.self_attn, _ATTENTION_PROJECTIONS), (layer.mlp, _MLP_PROJECTIONS)):
             if module.__dict__.pop("_fused_projection", None) is None:
                 continue
-            del module.forward
             for name in names:
                 linear = getattr(module, name)
                 linear.weight = torch.nn.Parameter(linear.weight.detach().clone(), requires_grad=False)
                 if linear.bias is not None:
                     linear.bias = torch.nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        restore_class_forwards(layer)
     return model
 
 
@@ -95,27 +93,3 @@ def _concatenate(module: torch.nn.Module, names: tuple[str, ...]) -> _FusedLinea
             linear.bias = torch.nn.Parameter(bias[start : start + size], requires_grad=False)
         start += size
     return _FusedLinear(weight, bias, out_features)
-
-
-def _fused_attention_forward(
-    self,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor],
-    attention_mask: torch.Tensor | None = None,
-    past_key_values=None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    input_shape = hidden_states.shape[:-1]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    query, key, value = (states.view(hidden_shape).transpose(1, 2) for states in self._fused_projection(hidden_states))
-    cos, sin = position_embeddings
-    query, key = apply_rotary_pos_emb(query, key, cos, sin)
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, self.layer_idx)
-    attention_output, _ = _flashcore_attention(self, query, key, value, attention_mask, scaling=self.scaling, **kwargs)
-    return self.o_proj(attention_output.reshape(*input_shape, -1).contiguous()), None
-
-
-def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    gate, up = self._fused_projection(x)
-    return self.down_proj(self.act_fn(gate) * up)

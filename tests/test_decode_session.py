@@ -102,12 +102,17 @@ def test_graph_replayed_session_repeats_eager_generate_in_bf16(device, generator
     assert len(gluon_calls) == expected_calls
 
 
-@pytest.mark.parametrize("fuse_projections", [False, True], ids=["separate", "fused_projections"])
-def test_compiled_session_matches_stock_greedy(fuse_projections, device, generator, request):
+@pytest.mark.parametrize(
+    "fuse_projections, layer_kernels",
+    [(False, False), (True, False), (True, True)],
+    ids=["separate", "fused_projections", "layer_kernels"],
+)
+def test_compiled_session_matches_stock_greedy(fuse_projections, layer_kernels, device, generator, request):
     """``compile=True`` traces the decode step once (no graph break, no recompile) and, in fp32, gives stock's
-    tokens, with or without the fused q/k/v and gate/up GEMMs. On the GPU the Triton kernels run inside the
-    compiled, captured step; the CPU uses the torch backend (the interpreter inside an inductor graph would only
-    be slow)."""
+    tokens, with or without the fused q/k/v and gate/up GEMMs and flashcore's layer kernels (opaque ops in the
+    graph). On the GPU the Triton kernels run inside the compiled, captured step; the CPU uses the torch backend
+    for attention (the interpreter inside an inductor graph would only be slow); the layer kernels, which have no
+    torch backend, run interpreted."""
     from torch._dynamo.utils import counters
 
     lengths = [5, 9]
@@ -122,6 +127,7 @@ def test_compiled_session_matches_stock_greedy(fuse_projections, device, generat
         batch_size=len(lengths),
         compile=True,
         fuse_projections=fuse_projections,
+        layer_kernels=layer_kernels,
     )
     model._flashcore_state.backend = "triton" if ON_GPU else "torch"
     tokens = [session.prefill(input_ids, attention_mask).clone()]

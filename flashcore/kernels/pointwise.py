@@ -1,0 +1,197 @@
+"""The decoder layer's pointwise kernels around attention: RMSNorm, SiLU-and-mul, rotary embedding.
+
+Each kernel rounds to the input dtype where transformers' eager code does (``LlamaRMSNorm``, ``act_fn(gate) * up``,
+``apply_rotary_pos_emb``), so in bf16 it differs from HF's eager result only in the norm's summation order and in
+the ``exp``/``rsqrt`` implementations. The point is that eager calls, CUDA-graph replays and ``torch.compile`` all
+run these same kernels (``flashcore/layer_ops.py``), so they give the same bits.
+
+All three launch with programmatic dependent launch where flashcore's attention kernel does: a launch may start
+while the previous kernel drains, and ``gdc_wait`` holds every memory access until that kernel's writes are visible.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
+
+MAX_NORM_WIDTH = 65536  # one program holds a whole row of the norm in registers
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [rows, hidden], unit stride along hidden
+    weight_ptr,  # [hidden]
+    out_ptr,  # [rows, hidden], contiguous
+    stride_x_row,
+    hidden,
+    eps,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One program per row: ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``, in fp32 with HF's one rounding
+    before the weight."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    if USE_PDL:
+        gdc_wait()
+    x = tl.load(x_ptr + row * stride_x_row + offs, mask=mask, other=0.0).to(tl.float32)
+    variance = tl.sum(x * x, axis=0) / hidden
+    normalized = (x * tl.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    out = weight.to(tl.float32) * normalized.to(tl.float32)
+    tl.store(out_ptr + row * hidden + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    gate_ptr,  # [rows, width], unit stride along width
+    up_ptr,  # [rows, width], unit stride along width
+    out_ptr,  # [rows, width], contiguous
+    stride_gate_row,
+    stride_up_row,
+    width,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """``silu(gate).to(dtype) * up``: HF's ``act_fn(gate) * up`` with its rounding of the activation."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < width
+    if USE_PDL:
+        gdc_wait()
+    gate = tl.load(gate_ptr + row * stride_gate_row + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up_row + offs, mask=mask, other=0.0).to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * width + offs, (activated * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate_head(x_ptr, out_ptr, cos_lo, cos_hi, sin_lo, sin_hi, offs, mask, HALF: tl.constexpr):
+    """``x * cos + rotate_half(x) * sin`` for one head, each product rounded to the dtype as in HF's eager code."""
+    dtype = out_ptr.dtype.element_ty
+    lo = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    hi = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    out_lo = (lo * cos_lo).to(dtype).to(tl.float32) + (-hi * sin_lo).to(dtype).to(tl.float32)
+    out_hi = (hi * cos_hi).to(dtype).to(tl.float32) + (lo * sin_hi).to(dtype).to(tl.float32)
+    tl.store(out_ptr + offs, out_lo.to(dtype), mask=mask)
+    tl.store(out_ptr + HALF + offs, out_hi.to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_embedding_kernel(
+    q_ptr,  # [B, H_q, S, D], unit stride along D
+    k_ptr,  # [B, H_kv, S, D], unit stride along D
+    cos_ptr,  # [B or 1, S, D], unit stride along D
+    sin_ptr,  # like cos
+    q_out_ptr,  # [B, S, H_q, D], contiguous
+    k_out_ptr,  # [B, S, H_kv, D], contiguous
+    stride_q_b,
+    stride_q_h,
+    stride_q_s,
+    stride_k_b,
+    stride_k_h,
+    stride_k_s,
+    stride_cos_b,
+    stride_cos_s,
+    num_tokens,  # S
+    num_q_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,  # D / 2
+    HALF_PAD: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One program per (batch, token, head); heads ``[0, H_q)`` are query heads, the next ``H_kv`` key heads."""
+    batch = (tl.program_id(0) // num_tokens).to(tl.int64)
+    token = (tl.program_id(0) % num_tokens).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, HALF_PAD)
+    mask = offs < HALF
+    if USE_PDL:
+        gdc_wait()
+    angles = batch * stride_cos_b + token * stride_cos_s + offs
+    cos_lo = tl.load(cos_ptr + angles, mask=mask, other=0.0).to(tl.float32)
+    cos_hi = tl.load(cos_ptr + HALF + angles, mask=mask, other=0.0).to(tl.float32)
+    sin_lo = tl.load(sin_ptr + angles, mask=mask, other=0.0).to(tl.float32)
+    sin_hi = tl.load(sin_ptr + HALF + angles, mask=mask, other=0.0).to(tl.float32)
+    if head < num_q_heads:
+        x_ptr = q_ptr + batch * stride_q_b + head * stride_q_h + token * stride_q_s
+        out_ptr = q_out_ptr + ((batch * num_tokens + token) * num_q_heads + head) * (2 * HALF)
+        _rotate_head(x_ptr, out_ptr, cos_lo, cos_hi, sin_lo, sin_hi, offs, mask, HALF)
+    else:
+        kv_head = head - num_q_heads
+        x_ptr = k_ptr + batch * stride_k_b + kv_head * stride_k_h + token * stride_k_s
+        out_ptr = k_out_ptr + ((batch * num_tokens + token) * num_kv_heads + kv_head) * (2 * HALF)
+        _rotate_head(x_ptr, out_ptr, cos_lo, cos_hi, sin_lo, sin_hi, offs, mask, HALF)
+
+
+_launch_rms_norm = CachedLauncher(_rms_norm_kernel)
+_launch_silu_and_mul = CachedLauncher(_silu_and_mul_kernel)
+_launch_rotary_embedding = CachedLauncher(_rotary_embedding_kernel)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` ``[rows, hidden]`` with unit stride along hidden; returns a contiguous ``[rows, hidden]``."""
+    rows, hidden = x.shape
+    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
+    block = triton.next_power_of_2(hidden)
+    use_pdl = uses_programmatic_launch(x.device)
+    _launch_rms_norm(
+        (rows, 1, 1),
+        (x, weight, out, x.stride(0), hidden, float(eps)),
+        dict(BLOCK=block, USE_PDL=use_pdl),
+        num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
+        num_stages=1,
+        launch_pdl=use_pdl,
+    )
+    return out
+
+
+def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gate``, ``up``: ``[rows, width]`` with unit stride along width; returns a contiguous ``[rows, width]``."""
+    rows, width = gate.shape
+    out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)
+    block = min(1024, triton.next_power_of_2(width))
+    use_pdl = uses_programmatic_launch(gate.device)
+    _launch_silu_and_mul(
+        (rows, triton.cdiv(width, block), 1),
+        (gate, up, out, gate.stride(0), up.stride(0), width),
+        dict(BLOCK=block, USE_PDL=use_pdl),
+        num_warps=4,
+        num_stages=1,
+        launch_pdl=use_pdl,
+    )
+    return out
+
+
+def rotary_embedding_triton(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query`` ``[B, H_q, S, D]``, ``key`` ``[B, H_kv, S, D]``, ``cos``/``sin`` ``[B or 1, S, D]`` (same strides),
+    each with unit stride along D. Returns the rotated query and key as ``[B, H, S, D]`` views of ``[B, S, H, D]``
+    storage, the layout HF's projections give."""
+    batch, num_q_heads, num_tokens, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    query_out = torch.empty((batch, num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    key_out = torch.empty((batch, num_tokens, num_kv_heads, head_dim), dtype=key.dtype, device=key.device)
+    half = head_dim // 2
+    use_pdl = uses_programmatic_launch(query.device)
+    _launch_rotary_embedding(
+        (batch * num_tokens, num_q_heads + num_kv_heads, 1),
+        (
+            query, key, cos, sin, query_out, key_out,
+            query.stride(0), query.stride(1), query.stride(2),
+            key.stride(0), key.stride(1), key.stride(2),
+            cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
+            num_tokens, num_q_heads, num_kv_heads,
+        ),
+        dict(HALF=half, HALF_PAD=triton.next_power_of_2(half), USE_PDL=use_pdl),
+        num_warps=1 if head_dim <= 128 else 2,
+        num_stages=1,
+        launch_pdl=use_pdl,
+    )  # fmt: skip
+    return query_out.transpose(1, 2), key_out.transpose(1, 2)

@@ -1,0 +1,201 @@
+"""The decoder layer's pointwise ops around attention, on flashcore's Triton kernels: RMSNorm, rotary embedding,
+SiLU-and-mul.
+
+Why flashcore has its own: a model step runs eagerly, replayed from a CUDA graph, or compiled. Eager and replayed
+PyTorch ops give the same bits, but inductor fuses HF's RMSNorm, RoPE and SwiGLU code without eager's intermediate
+bf16 roundings and with its own summation order, so a compiled bf16 model picks other tokens at the first near-tie
+(``benchmarks/NOTES.md``, entry 8). These ops run one Triton kernel each on every path (inductor sees an opaque
+``torch.library`` op), so a model that uses them computes the same bits eagerly, replayed and compiled. They round
+where HF's eager code rounds (``flashcore/kernels/pointwise.py``). :func:`~flashcore.integrations.layer_kernels.
+use_layer_kernels` puts them in a patched model.
+
+Like :func:`flashcore.attention_with_kv_cache` they run on CUDA tensors, or on CPU tensors under
+``TRITON_INTERPRET=1``; anything else raises, nothing falls back to PyTorch. Validation reads only shapes, dtypes
+and strides, so it is safe under graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashcore.kernels.pointwise import MAX_NORM_WIDTH
+from flashcore.ops import _triton_interpreter_enabled
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+__all__ = ["apply_rotary_embedding", "rms_norm", "silu_and_mul"]
+
+
+def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2, -1) + eps)).to(x.dtype)``, the statistics in fp32: HF's ``LlamaRMSNorm``.
+
+    Args:
+        hidden_states: ``[..., hidden]``, unit stride along ``hidden``; float16, bfloat16 or float32.
+        weight: ``[hidden]``, same dtype and device.
+        eps: added to the mean square, >= 0.
+
+    Returns:
+        A new contiguous tensor of ``hidden_states``' shape and dtype.
+    """
+    _check_runs(hidden_states, "hidden_states")
+    hidden = hidden_states.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must be [hidden] = [{hidden}] to match hidden_states, got {tuple(weight.shape)}")
+    _check_like(hidden_states, "hidden_states", weight=weight)
+    if hidden > MAX_NORM_WIDTH:
+        raise ValueError(f"rms_norm holds a row in registers: hidden must be <= {MAX_NORM_WIDTH}, got {hidden}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    rows = hidden_states.reshape(-1, hidden)
+    if torch.compiler.is_compiling():
+        out = torch.ops.flashcore.rms_norm(rows, weight, float(eps))
+    else:
+        out = _rms_norm_impl(rows, weight, float(eps))
+    return out.view(hidden_states.shape)
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` with the activation rounded to the dtype first: HF's ``act_fn(gate_proj(x)) * up_proj(x)``.
+
+    Args:
+        gate: ``[..., width]``, unit stride along ``width``; float16, bfloat16 or float32. May be a slice of a wider
+            tensor (the gate half of a fused gate/up projection).
+        up: the same shape, dtype and device.
+
+    Returns:
+        A new contiguous tensor of ``gate``'s shape and dtype.
+    """
+    _check_runs(gate, "gate")
+    if up.shape != gate.shape:
+        raise ValueError(f"up must have gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
+    _check_like(gate, "gate", up=up)
+    width = gate.shape[-1]
+    gate_rows, up_rows = gate.reshape(-1, width), up.reshape(-1, width)
+    if torch.compiler.is_compiling():
+        out = torch.ops.flashcore.silu_and_mul(gate_rows, up_rows)
+    else:
+        out = _silu_and_mul_impl(gate_rows, up_rows)
+    return out.view(gate.shape)
+
+
+def apply_rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x * cos + rotate_half(x) * sin`` for the query and the key: HF's ``apply_rotary_pos_emb``.
+
+    Args:
+        query: ``[B, H_q, S, D]``, unit stride along D (HF's ``q_proj(x).view(...).transpose(1, 2)`` is fine);
+            float16, bfloat16 or float32; D even.
+        key: ``[B, H_kv, S, D]``, same dtype, device and stride rule.
+        cos: ``[B, S, D]`` or ``[1, S, D]``, the model's rotary embedding for these positions, same dtype.
+        sin: like ``cos``, with its strides.
+
+    Returns:
+        ``(query, key)`` rotated: new tensors of the inputs' shapes, ``[B, H, S, D]`` views of ``[B, S, H, D]``
+        storage (the layout HF's projections give).
+    """
+    _check_runs(query, "query")
+    for name, tensor in (("query", query), ("key", key)):
+        if tensor.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [B, H, S, D], got shape {tuple(tensor.shape)}")
+    batch, _, num_tokens, head_dim = query.shape
+    if key.shape[0] != batch or key.shape[2:] != (num_tokens, head_dim):
+        raise ValueError(f"key must be [B, H_kv, S, D] to match query {tuple(query.shape)}, got {tuple(key.shape)}")
+    if head_dim % 2:
+        raise ValueError(f"the rotary embedding pairs halves of D: D must be even, got {head_dim}")
+    if cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1:] != (num_tokens, head_dim):
+        raise ValueError(
+            f"cos must be [B, S, D] or [1, S, D] = [{batch} or 1, {num_tokens}, {head_dim}], got {tuple(cos.shape)}"
+        )
+    if sin.shape != cos.shape or sin.stride() != cos.stride():
+        raise ValueError(
+            f"sin must have cos's shape {tuple(cos.shape)} and strides {cos.stride()}, got {tuple(sin.shape)} and "
+            f"{sin.stride()}; pass the pair the model's rotary embedding returns"
+        )
+    _check_like(query, "query", key=key, cos=cos, sin=sin)
+    if torch.compiler.is_compiling():
+        rotated = torch.ops.flashcore.apply_rotary_embedding(query, key, cos, sin)
+    else:
+        rotated = _rotary_embedding_impl(query, key, cos, sin)
+    return rotated[0], rotated[1]
+
+
+def _check_runs(tensor: torch.Tensor, name: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if not (tensor.is_cuda or _triton_interpreter_enabled()):
+        raise NotImplementedError(
+            f"flashcore's layer kernels run on CUDA tensors, or on the CPU with TRITON_INTERPRET=1 set before triton "
+            f"is imported; {name} is on {tensor.device}. Keep the model's own layers on the CPU (remove_layer_kernels)"
+        )
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} dtype must be one of {SUPPORTED_DTYPES}, got {tensor.dtype}")
+
+
+def _check_like(reference: torch.Tensor, reference_name: str, **tensors: torch.Tensor) -> None:
+    """Same dtype and device as the reference, and unit stride along the last dim, for all of them."""
+    for name, tensor in {reference_name: reference, **tensors}.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dtype != reference.dtype:
+            raise TypeError(f"{name} dtype {tensor.dtype} must match {reference_name}'s {reference.dtype}")
+        if tensor.device != reference.device:
+            raise ValueError(f"{name} is on {tensor.device} but {reference_name} is on {reference.device}")
+        if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must have unit stride along its last dim, got strides {tensor.stride()}; pass .contiguous()"
+            )
+
+
+def _rms_norm_impl(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    from flashcore.kernels.pointwise import rms_norm_triton
+
+    return rms_norm_triton(rows, weight, eps)
+
+
+def _silu_and_mul_impl(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    from flashcore.kernels.pointwise import silu_and_mul_triton
+
+    return silu_and_mul_triton(gate, up)
+
+
+def _rotary_embedding_impl(query, key, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    from flashcore.kernels.pointwise import rotary_embedding_triton
+
+    return rotary_embedding_triton(query, key, cos, sin)
+
+
+@torch.library.custom_op("flashcore::rms_norm", mutates_args=())
+def _rms_norm_op(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm_impl(rows, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(rows, weight, eps):
+    return rows.new_empty(rows.shape)
+
+
+@torch.library.custom_op("flashcore::silu_and_mul", mutates_args=())
+def _silu_and_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return _silu_and_mul_impl(gate, up)
+
+
+@_silu_and_mul_op.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("flashcore::apply_rotary_embedding", mutates_args=())
+def _rotary_embedding_op(
+    query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rotary_embedding_impl(query, key, cos, sin)
+
+
+@_rotary_embedding_op.register_fake
+def _(query, key, cos, sin):
+    def rotated_like(x):  # [B, H, S, D] over [B, S, H, D] storage, as the kernel returns
+        batch, heads, tokens, dim = x.shape
+        return x.new_empty((batch, tokens, heads, dim)).transpose(1, 2)
+
+    return rotated_like(query), rotated_like(key)
