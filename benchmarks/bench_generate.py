@@ -16,13 +16,16 @@ B in {1, 16}. Seven paths, each warmed up with one full generate (compilation ha
 - ``flashcore_session_compiled``: the same loop with ``DecodeSession(compile=True)``: the captured step is a
   ``torch.compile``d forward (inductor fuses the norms, RoPE and elementwise ops between the GEMMs);
 - ``flashcore_session_fused``: ``DecodeSession(compile=True, fuse_projections=True)``: also one GEMM for q/k/v
-  and one for gate/up per layer, on its own copy of the model (the fusion is in place).
+  and one for gate/up per layer, on its own copy of the model (the fusion is in place);
+- ``kernels_eager``, ``kernels_compiled``, ``kernels_session``, ``kernels_session_compiled``: the first four
+  flashcore paths again, on a copy of the model with fused projections and ``use_layer_kernels`` (RMSNorm, RoPE and
+  SiLU-and-mul on flashcore's kernels, the same kernels on every path).
 
 Reported per row: tok/s = B * 256 / generate time, ms per step = time / 256 (issue 5's definition, prefill
 included), the decode-only ms per step (time minus a 1-token generate, over 255), and model-bandwidth
 utilisation = (weight bytes + KV bytes read per decode step) / decode step time / 3.0 TB/s. Inductor's
 "skipping cudagraphs" warnings and its cudagraph_skips counter are recorded per path. Greedy tokens are compared
-between flashcore eager and compiled (must be identical) and against stock eager (reported).
+with the eager path of the same model (issue 5: identical) and with stock eager (reported).
 
     python benchmarks/bench_generate.py --out DIR             # ~5-7 min on an H100, most of it compiling
     python benchmarks/bench_generate.py --dry-run --out /tmp/x    # tiny model on the CPU: tests the script only
@@ -39,16 +42,21 @@ import time
 import harness
 import torch
 
-PATHS = (
-    "stock_eager",
-    "flashcore_eager",
-    "flashcore_compiled",
-    "flashcore_session",
-    "flashcore_session_compiled",
-    "flashcore_session_fused",
-    "stock_static_compiled",
-)
-FUSED_PATH = "flashcore_session_fused"
+# Each flashcore path: which copy of the model it runs (each is patched in place) and how it decodes.
+FLASHCORE_PATHS = {
+    "flashcore_eager": ("plain", "eager"),
+    "flashcore_compiled": ("plain", "compiled"),
+    "flashcore_session": ("plain", "session"),
+    "flashcore_session_compiled": ("plain", "session_compiled"),
+    "flashcore_session_fused": ("fused", "session_compiled"),
+    "kernels_eager": ("kernels", "eager"),
+    "kernels_compiled": ("kernels", "compiled"),
+    "kernels_session": ("kernels", "session"),
+    "kernels_session_compiled": ("kernels", "session_compiled"),
+}
+# The model each variant's tokens must equal: its own eager generate.
+EAGER_PATH = {"plain": "flashcore_eager", "fused": "flashcore_eager", "kernels": "kernels_eager"}
+PATHS = ("stock_eager", *FLASHCORE_PATHS, "stock_static_compiled")
 KV_ELEM_BYTES = 2  # bf16
 
 
@@ -146,14 +154,10 @@ class Runner:
         self.stock_model = build_model(self.config, device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.stock_model.parameters())
         # Copied before anything is compiled (a compiled model holds a compiled callable that does not deep-copy).
-        # The fused path gets a copy of its own: fusing the projections changes the model in place.
-        has_flashcore_path = any(path.startswith("flashcore") and path != FUSED_PATH for path in args.paths)
-        self.flashcore_bases = {
-            fused: copy.deepcopy(self.stock_model)
-            for fused, wanted in ((False, has_flashcore_path), (True, FUSED_PATH in args.paths))
-            if wanted
-        }
-        self.flashcore_models: dict[bool, object] = {}
+        # Each variant gets a copy of its own: fusing the projections and the layer kernels change it in place.
+        variants = {FLASHCORE_PATHS[path][0] for path in args.paths if path in FLASHCORE_PATHS}
+        self.flashcore_bases = {variant: copy.deepcopy(self.stock_model) for variant in sorted(variants)}
+        self.flashcore_models: dict[str, object] = {}
         self.flashcore_error: str | None = None
         generator = torch.Generator().manual_seed(1234)
         self.prompts = {
@@ -168,21 +172,27 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def flashcore(self, *, fused: bool = False):
-        """A copy of the stock model (same weights) with flashcore applied (and its projections fused), on first
-        use."""
-        if fused not in self.flashcore_models and self.flashcore_error is None:
+    def flashcore(self, variant: str):
+        """The variant's copy of the stock model (same weights), patched on first use: flashcore applied
+        ("plain"), its projections fused too ("fused"), and its norms, RoPE and SiLU-and-mul on flashcore's
+        kernels too ("kernels")."""
+        if variant not in self.flashcore_models and self.flashcore_error is None:
             try:
                 from flashcore.integrations.fused_projections import fuse_projections
+                from flashcore.integrations.layer_kernels import use_layer_kernels
                 from flashcore.integrations.llama import apply_flashcore_to_llama
 
-                model = apply_flashcore_to_llama(self.flashcore_bases[fused])
-                self.flashcore_models[fused] = fuse_projections(model) if fused else model
+                model = apply_flashcore_to_llama(self.flashcore_bases[variant])
+                if variant in ("fused", "kernels"):
+                    fuse_projections(model)
+                if variant == "kernels":
+                    use_layer_kernels(model)
+                self.flashcore_models[variant] = model
             except Exception as error:  # noqa: BLE001  (recorded on every flashcore row)
                 self.flashcore_error = f"{type(error).__name__}: {error}"
-        if fused not in self.flashcore_models:
+        if variant not in self.flashcore_models:
             raise RuntimeError(f"flashcore integration unavailable: {self.flashcore_error}")
-        return self.flashcore_models[fused]
+        return self.flashcore_models[variant]
 
     def flashcore_cache(self, path: str, batch: int):
         """One FlashCoreCache per (path, batch), reset before each generate: a compiled step keeps its CUDA graph
@@ -218,12 +228,12 @@ class Runner:
             return self.stock_model.generate(**kwargs)
         if path == "stock_static_compiled":
             return self.stock_model.generate(**kwargs, cache_implementation="static")
-        model = self.flashcore(fused=path == FUSED_PATH)
-        if path.startswith("flashcore_session"):
-            compile = path in ("flashcore_session_compiled", FUSED_PATH)
-            return self.session_generate(model, ids, max_new_tokens, compile=compile)
+        variant, mode = FLASHCORE_PATHS[path]
+        model = self.flashcore(variant)
+        if mode.startswith("session"):
+            return self.session_generate(model, ids, max_new_tokens, compile=mode == "session_compiled")
         cache = self.flashcore_cache(path, batch)
-        return model.generate(**kwargs, past_key_values=cache, disable_compile=(path == "flashcore_eager"))
+        return model.generate(**kwargs, past_key_values=cache, disable_compile=mode == "eager")
 
     def session_generate(self, model, ids: torch.Tensor, max_new_tokens: int, *, compile: bool) -> torch.Tensor:
         """One DecodeSession per (model, batch size, compile), reset between generates: its captured graph is
@@ -297,7 +307,8 @@ class Runner:
 
 
 def agreement(runner: Runner) -> dict:
-    """Greedy tokens: flashcore eager vs compiled must match exactly; every path is also compared with stock."""
+    """Greedy tokens: each flashcore path against the eager generate of its model (issue 5: identical), and every
+    path against stock eager."""
 
     def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
         same = a == b
@@ -312,7 +323,7 @@ def agreement(runner: Runner) -> dict:
     result = {}
     for batch in runner.args.batches:
         tokens = {path: runner.tokens.get((path, batch)) for path in PATHS}
-        pairs = [("flashcore_eager", p) for p in PATHS if p.startswith("flashcore_") and p != "flashcore_eager"]
+        pairs = [(EAGER_PATH[variant], path) for path, (variant, mode) in FLASHCORE_PATHS.items() if mode != "eager"]
         pairs += [("stock_eager", p) for p in PATHS[1:]]
         for a, b in pairs:
             if tokens[a] is not None and tokens[b] is not None:
@@ -397,7 +408,7 @@ def main(argv=None) -> dict:
             if time.perf_counter() > started + args.time_budget_s:
                 row.update(status="skipped", reason=f"time budget of {args.time_budget_s:.0f}s spent")
             else:
-                if path.endswith("compiled") or path == FUSED_PATH:
+                if "compiled" in FLASHCORE_PATHS.get(path, (None, path))[1]:
                     # Both models compile the same Module.__call__ code, so they share dynamo's cache and its
                     # recompile limit; a new batch size or model recompiles anyway. Start each compiled row empty.
                     torch._dynamo.reset()
