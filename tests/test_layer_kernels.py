@@ -181,7 +181,11 @@ def test_remove_restores_the_model_forwards(device, generator, request):
     expected = model.generate(input_ids, **kwargs)
     apply_flashcore_to_llama(model, backend="torch")
 
-    remove_layer_kernels(fuse_projections(use_layer_kernels(model)))  # the fused projection stays
+    use_layer_kernels(model)
+    # HF's automatic compile must round the residual adds as eager does (inductor fuses them otherwise).
+    assert model.generation_config.compile_config.options["emulate_precision_casts"] is True
+    remove_layer_kernels(fuse_projections(model))  # the fused projection stays
+    assert model.generation_config.compile_config is None
     for layer in model.model.layers:
         assert "_fused_projection" in layer.self_attn.__dict__ and "forward" in layer.self_attn.__dict__
         assert "forward" not in layer.input_layernorm.__dict__
@@ -189,6 +193,7 @@ def test_remove_restores_the_model_forwards(device, generator, request):
 
     for module in model.modules():
         assert "forward" not in module.__dict__ and "_uses_layer_kernels" not in module.__dict__
+    assert model.generation_config.compile_config is None
     assert torch.equal(model.generate(input_ids, **kwargs), expected)
 
 
@@ -239,3 +244,13 @@ def test_bf16_tokens_equal_eagerly_replayed_and_compiled(device, generator, requ
     torch._dynamo.reset()
     for _ in range(2):  # the first call compiles, the second replays HF's CUDA graphs
         assert torch.equal(generate(disable_compile=False), eager)
+
+
+def test_use_layer_kernels_keeps_a_compile_config_the_user_set(device, request):
+    from transformers import CompileConfig
+
+    model = apply_flashcore_to_llama(tiny_llama("gqa", seed_of(request), device), backend="torch")
+    mine = CompileConfig(mode="max-autotune")
+    model.generation_config.compile_config = mine
+    remove_flashcore(use_layer_kernels(model))
+    assert model.generation_config.compile_config is mine
