@@ -32,11 +32,12 @@ from flashcore.integrations.llama import _flashcore_attention
 __all__ = ["remove_layer_kernels", "use_layer_kernels"]
 
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
-# HF's default CompileConfig is mode="reduce-overhead", i.e. inductor's triton.cudagraphs; torch.compile takes a mode
-# or options, not both, so the mode is spelled as its option.
-_ROUNDING_COMPILE_CONFIG = CompileConfig(
-    mode=None, options={"triton.cudagraphs": True, "emulate_precision_casts": True}
-)
+
+
+def rounding_compile_config() -> CompileConfig:
+    """HF's default compile config (mode "reduce-overhead", i.e. inductor's ``triton.cudagraphs``; torch.compile
+    takes a mode or options, not both, so it is spelled as its option) plus ``emulate_precision_casts``."""
+    return CompileConfig(mode=None, options={"triton.cudagraphs": True, "emulate_precision_casts": True})
 
 
 def use_layer_kernels(model: torch.nn.Module) -> torch.nn.Module:
@@ -53,7 +54,7 @@ def use_layer_kernels(model: torch.nn.Module) -> torch.nn.Module:
     Returns:
         The same model object.
 
-    Example: ``tests/test_layer_kernels.py::test_session_and_compiled_steps_repeat_eager_bits``.
+    Example: ``tests/test_layer_kernels.py::test_bf16_tokens_equal_eagerly_replayed_and_compiled``.
     """
     state = model.__dict__.get("_flashcore_state")
     if state is None:
@@ -72,7 +73,7 @@ def use_layer_kernels(model: torch.nn.Module) -> torch.nn.Module:
         state.undo_on_remove.append(remove_layer_kernels)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and generation_config.compile_config is None:
-        generation_config.compile_config = _ROUNDING_COMPILE_CONFIG
+        generation_config.compile_config = rounding_compile_config()  # its own: generate may edit it
     for norm in norms:
         norm.forward = types.MethodType(_rms_norm_forward, norm)
     for layer in model.base_model.layers:
@@ -85,7 +86,7 @@ def use_layer_kernels(model: torch.nn.Module) -> torch.nn.Module:
 def remove_layer_kernels(model: torch.nn.Module) -> torch.nn.Module:
     """Undoes :func:`use_layer_kernels`; a fused projection (``fuse_projections``) stays."""
     generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None and generation_config.compile_config is _ROUNDING_COMPILE_CONFIG:
+    if generation_config is not None and generation_config.compile_config == rounding_compile_config():
         generation_config.compile_config = None
     for norm in _norms(model):
         norm.__dict__.pop("forward", None)
