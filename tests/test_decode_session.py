@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ON_GPU
-from test_hf_llama import random_prompts, seed_of, tiny_llama
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_hf_llama import bf16_llama, random_prompts, seed_of, tiny_llama
 
 from flashcore.integrations.decode_session import DecodeSession, chunked_argmax
 from flashcore.integrations.llama import FlashCoreCache, apply_flashcore_to_llama, remove_flashcore
@@ -66,13 +65,11 @@ def test_graph_replayed_session_repeats_eager_generate_in_bf16(device, generator
     decode step and a captured one run flips near-tied greedy tokens within a few dozen steps (NOTES.md, entries
     22 and 31). Head dim 64 and a group of 4, so that on the H100 both run the Gluon decode kernel, and a cache
     long enough for KV splits: eager calls merge them in the launch, captured ones in a second launch."""
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, initializer_range=0.1, pad_token_id=0,
-        bos_token_id=1, eos_token_id=None,
+    model = bf16_llama(
+        seed_of(request), device, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, initializer_range=0.1,
     )  # fmt: skip
-    torch.manual_seed(seed_of(request))
-    model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+    config = model.config
     input_ids, attention_mask = random_prompts([30, 22, 30, 17], generator, device)
     max_cache_len, new_tokens = 1024, 40
 

@@ -74,6 +74,15 @@ def seed_of(request) -> int:
     return zlib.crc32(request.node.nodeid.encode())
 
 
+def bf16_llama(seed: int, device, **sizes) -> LlamaForCausalLM:
+    """A random bf16 LLaMA with head dim 64 (on the H100 its decode steps run the Gluon kernel), for GPU tests."""
+    config = LlamaConfig(
+        head_dim=64, max_position_embeddings=2048, pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=None, **sizes
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+
+
 @pytest.fixture(params=["gqa", "mha"])
 def model(request, device):
     model = tiny_llama(request.param, seed_of(request), device)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DTYPES, ON_GPU, randn
-from test_hf_llama import PAD_ID, random_prompts, seed_of, tiny_llama
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_hf_llama import PAD_ID, bf16_llama, random_prompts, seed_of, tiny_llama
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from flashcore import layer_ops
@@ -213,13 +212,11 @@ def test_bf16_tokens_equal_eagerly_replayed_and_compiled(device, generator, requ
     fuses the norms and SwiGLU its own way and a bf16 model parts from eager tokens within a few dozen steps
     (NOTES.md, entry 8). With them, eager generate, the graph-replayed session, the compiled session and HF's
     automatic compile of generate must all pick the same tokens."""
-    config = LlamaConfig(
-        vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=3, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, initializer_range=0.05, pad_token_id=0,
-        bos_token_id=1, eos_token_id=None,
+    model = bf16_llama(
+        seed_of(request), device, vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=2, initializer_range=0.05,
     )  # fmt: skip
-    torch.manual_seed(seed_of(request))
-    model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+    config = model.config
     use_layer_kernels(fuse_projections(apply_flashcore_to_llama(model, backend="triton")))
     input_ids, attention_mask = random_prompts([40, 25, 40, 33], generator, device)
     max_cache_len, new_tokens = 512, 64
