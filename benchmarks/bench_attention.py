@@ -323,8 +323,8 @@ def planned_kv_splits(ctx: Context, group: int, batch: int, num_kv_heads: int, s
         from flashcore.kernels.attention import _launch_plan
 
         if gluon_hopper.runs_on(ctx.device) and head_dim in warp_specialized_decode.HEAD_DIMS:
-            plan = warp_specialized_decode._split_plan(batch * num_kv_heads, s_max, group, head_dim, ctx.device)
-            return plan[0]
+            plan = warp_specialized_decode._launch_plan(batch * num_kv_heads, s_max, group, head_dim, ctx.device)
+            return plan[1]
         return _launch_plan(group, head_dim, batch * num_kv_heads, s_max, ELEM_BYTES, ctx.device).num_splits
     except Exception:  # noqa: BLE001
         return None

@@ -18,7 +18,7 @@ from oracle import check_call, make_call_inputs
 
 import flashcore
 import flashcore.kernels.attention as triton_attention
-from flashcore.kernels import gluon_hopper, warp_specialized_decode
+from flashcore.kernels import configs, gluon_hopper, warp_specialized_decode
 
 ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and gluon_hopper.HAS_GLUON
 hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="the Gluon decode kernel runs on sm_90 GPUs only")
@@ -99,6 +99,30 @@ def test_split_counts_from_many_to_one(batch, device, generator):
     inputs = _decode_inputs(generator, device, torch.bfloat16, seq_lens=seq_lens, capacity=3008)
     out, cache = _decode(inputs)
     check_call(inputs, out, cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize(
+    "seq_lens, capacity, block_n",
+    [([1279], 1280, 64), ([4351, 127], 4352, 128), ([1, 2049], 4352, 128)],
+    ids=["splits_of_64_keys", "128_key_tiles_full_row", "128_key_tiles_tails"],
+)
+def test_head_dim_64_tile_sizes(seq_lens, capacity, block_n, dtype, device, generator, monkeypatch):
+    """At D 64 the kernel streams 128-key tiles where one wave holds at most one program per SM and every split
+    keeps its length (configs.gluon_decode_block_n), 64-key tiles elsewhere: both against the oracle, with tails
+    of 1 and 127 keys and a row filled to the last slot. Planned for the H100's 132 SMs on any GPU."""
+    monkeypatch.setattr(configs, "num_sms", lambda device: 132)
+    warp_specialized_decode._launch_plan.cache_clear()  # plans are cached per shape: none made with the real count
+    try:
+        inputs = _decode_inputs(generator, device, dtype, heads=(9, 3), head_dim=64, seq_lens=seq_lens,
+                                capacity=capacity)  # fmt: skip
+        plan = warp_specialized_decode._launch_plan(len(seq_lens) * 3, capacity, 3, 64, device)
+        assert plan[0] == block_n
+        out, cache = _decode(inputs)
+        check_call(inputs, out, cache, atol=TOLERANCES[dtype], is_causal=True)
+    finally:
+        warp_specialized_decode._launch_plan.cache_clear()
 
 
 @hopper_only

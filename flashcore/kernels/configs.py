@@ -136,6 +136,26 @@ def num_kv_splits(num_programs: int, capacity: int, device: torch.device, wanted
     return min(splits_to_fill, splits_worth_it, MAX_KV_SPLITS)
 
 
+def gluon_decode_block_n(head_dim: int, num_programs: int, num_splits: int, capacity: int, device: torch.device) -> int:
+    """Keys per K/V tile of the Gluon decode kernel: 64, a 16 KiB tile at D 128; at D 64, 128 keys (the same 16 KiB)
+    where one wave holds at most one program per SM and the larger tile leaves every split of a full cache as long
+    as it was (a split ends on a tile boundary).
+
+    Why only there. A program alone on its SM pays a barrier handoff per tile that no other program hides, so
+    halving the tiles helps; where programs share an SM they hide each other's, and the 8 KiB tile was faster.
+    And a split shorter than 128 keys would run past its end in 128-key steps, leaving splits idle. H100, graph
+    replay, SmolLM2's 9/3 heads (benchmarks/NOTES.md, entry 33), 64 -> 128 keys, best of two: B1 L4k 7.75 -> 7.39
+    us, B8 L4k 14.71 -> 14.00, B1 L32k 15.71 -> 15.18, B16 L1k 10.76 -> 9.89, B32 L1k 15.61 -> 13.56; against it,
+    B1 L1k (splits of 64 keys) 4.96 -> 5.64 and B64 L4k (192 programs) 73.98 -> 76.19. At D 128 a 128-key tile
+    (32 KiB) was slower on 5 of the 6 one-wave rows tried (entry 33).
+    """
+    split_keys = -(-capacity // num_splits)
+    keeps_splits = -(-split_keys // 64) % 2 == 0  # the split, in 64-key tiles, is a whole number of 128-key ones
+    if head_dim == 64 and num_programs * num_splits <= num_sms(device) and keeps_splits:
+        return 128
+    return 64
+
+
 def merge_rows(packed_rows: int, block_m: int, splits_pad: int, head_dim_pad: int) -> int:
     """Packed rows the split merge combines per step: a whole decode tile (one GQA group) at once where its
     ``[rows, splits, D]`` partials fit in ``MERGE_TILE_ELEMENTS``, fewer rows per step where they do not."""

@@ -51,7 +51,6 @@ if gluon_hopper.HAS_GLUON:
 LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
 HEAD_DIMS = (64, 128)  # the head dims measured and tested on the H100
 BLOCK_M = 16  # one mma.sync row tile: the GQA group, padded
-BLOCK_N = 64
 NUM_STAGES = 2  # 3 stages: 1-5% slower on each split row of NOTES.md entry 30's last probe round
 NUM_CONSUMER_WARPS = 4
 # Registers per thread at launch: 2 programs of (4 consumer + 4 producer-group) warps per SM. The producer warp
@@ -373,11 +372,13 @@ if gluon_hopper.HAS_GLUON:
 
 
 @functools.cache
-def _split_plan(batch_kv_heads: int, capacity: int, group: int, head_dim: int, device: torch.device) -> tuple:
-    """KV splits, their power-of-two padding and the merge's rows per step: per shape, computed once (host time)."""
+def _launch_plan(batch_kv_heads: int, capacity: int, group: int, head_dim: int, device: torch.device) -> tuple:
+    """Keys per tile, KV splits, their power-of-two padding and the merge's rows per step: per shape, computed
+    once (host time)."""
     num_splits = configs.num_kv_splits(batch_kv_heads, capacity, device)
+    block_n = configs.gluon_decode_block_n(head_dim, batch_kv_heads, num_splits, capacity, device)
     splits_pad = triton.next_power_of_2(num_splits)
-    return num_splits, splits_pad, configs.merge_rows(group, BLOCK_M, splits_pad, head_dim)
+    return block_n, num_splits, splits_pad, configs.merge_rows(group, BLOCK_M, splits_pad, head_dim)
 
 
 def decode_with_kv_cache(
@@ -398,7 +399,9 @@ def decode_with_kv_cache(
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if batch == 0:
         return out
-    num_splits, splits_pad, merge_rows = _split_plan(batch * num_kv_heads, capacity, group, head_dim, query.device)
+    block_n, num_splits, splits_pad, merge_rows = _launch_plan(
+        batch * num_kv_heads, capacity, group, head_dim, query.device
+    )
     row_tickets = scratch_buffer("row_tickets", batch, torch.int32, query.device)
     tile_tickets = row_tickets  # unused without MERGE_IN_LAUNCH
     merge_in_launch = False
@@ -414,7 +417,7 @@ def decode_with_kv_cache(
         (batch * num_kv_heads, num_splits, 1),
         (
             query, key, value, k_cache, v_cache,
-            cached_tile_descriptor(k_cache, BLOCK_N), cached_tile_descriptor(v_cache, BLOCK_N),
+            cached_tile_descriptor(k_cache, block_n), cached_tile_descriptor(v_cache, block_n),
             seq_lens, query_lens if query_lens is not None else seq_lens, row_tickets, tile_tickets,
             out, partial_out, partial_lse,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
@@ -424,7 +427,7 @@ def decode_with_kv_cache(
             GROUP=group,
             HEAD_DIM=head_dim,
             BLOCK_M=BLOCK_M,
-            BLOCK_N=BLOCK_N,
+            BLOCK_N=block_n,
             NUM_STAGES=NUM_STAGES,
             HAS_QUERY_LENS=query_lens is not None,
             USE_SPLIT_KV=num_splits > 1,
