@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from flashcore.kernels.pointwise import MAX_NORM_WIDTH
+from flashcore.kernels import pointwise
 from flashcore.ops import _triton_interpreter_enabled
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -42,15 +42,16 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     if weight.shape != (hidden,):
         raise ValueError(f"weight must be [hidden] = [{hidden}] to match hidden_states, got {tuple(weight.shape)}")
     _check_like(hidden_states, "hidden_states", weight=weight)
-    if hidden > MAX_NORM_WIDTH:
-        raise ValueError(f"rms_norm holds a row in registers: hidden must be <= {MAX_NORM_WIDTH}, got {hidden}")
+    if hidden > pointwise.MAX_NORM_WIDTH:
+        limit = pointwise.MAX_NORM_WIDTH
+        raise ValueError(f"rms_norm holds a row in registers: hidden must be <= {limit}, got {hidden}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
     rows = hidden_states.reshape(-1, hidden)
     if torch.compiler.is_compiling():
         out = torch.ops.flashcore.rms_norm(rows, weight, float(eps))
     else:
-        out = _rms_norm_impl(rows, weight, float(eps))
+        out = pointwise.rms_norm_triton(rows, weight, float(eps))
     return out.view(hidden_states.shape)
 
 
@@ -74,7 +75,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         out = torch.ops.flashcore.silu_and_mul(gate_rows, up_rows)
     else:
-        out = _silu_and_mul_impl(gate_rows, up_rows)
+        out = pointwise.silu_and_mul_triton(gate_rows, up_rows)
     return out.view(gate.shape)
 
 
@@ -116,7 +117,7 @@ def apply_rotary_embedding(
     if torch.compiler.is_compiling():
         rotated = torch.ops.flashcore.apply_rotary_embedding(query, key, cos, sin)
     else:
-        rotated = _rotary_embedding_impl(query, key, cos, sin)
+        rotated = pointwise.rotary_embedding_triton(query, key, cos, sin)
     return rotated[0], rotated[1]
 
 
@@ -147,27 +148,9 @@ def _check_like(reference: torch.Tensor, reference_name: str, **tensors: torch.T
             )
 
 
-def _rms_norm_impl(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    from flashcore.kernels.pointwise import rms_norm_triton
-
-    return rms_norm_triton(rows, weight, eps)
-
-
-def _silu_and_mul_impl(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    from flashcore.kernels.pointwise import silu_and_mul_triton
-
-    return silu_and_mul_triton(gate, up)
-
-
-def _rotary_embedding_impl(query, key, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-    from flashcore.kernels.pointwise import rotary_embedding_triton
-
-    return rotary_embedding_triton(query, key, cos, sin)
-
-
 @torch.library.custom_op("flashcore::rms_norm", mutates_args=())
 def _rms_norm_op(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm_impl(rows, weight, eps)
+    return pointwise.rms_norm_triton(rows, weight, eps)
 
 
 @_rms_norm_op.register_fake
@@ -177,7 +160,7 @@ def _(rows, weight, eps):
 
 @torch.library.custom_op("flashcore::silu_and_mul", mutates_args=())
 def _silu_and_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return _silu_and_mul_impl(gate, up)
+    return pointwise.silu_and_mul_triton(gate, up)
 
 
 @_silu_and_mul_op.register_fake
@@ -189,7 +172,7 @@ def _(gate, up):
 def _rotary_embedding_op(
     query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rotary_embedding_impl(query, key, cos, sin)
+    return pointwise.rotary_embedding_triton(query, key, cos, sin)
 
 
 @_rotary_embedding_op.register_fake
