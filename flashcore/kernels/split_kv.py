@@ -16,7 +16,7 @@ walking the splits with dependent loads was a serial chain of L2 latencies (entr
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 
@@ -100,6 +100,10 @@ def _merge_kv_splits_kernel(
         # This launch may start while the attention kernel still runs: wait for all of it (its partials, and
         # its last reads of seq_lens) before the first load.
         gdc_wait()
+        # A PDL launch after this one (the next decode call) may then launch while the merge runs, and wait in
+        # its own gdc_wait, so that its launch latency hides behind the merge (0.4-0.7 us a call on the H100's
+        # one-wave decode rows; benchmarks/NOTES.md, entry 34).
+        gdc_launch_dependents()
     _merge_kv_splits(
         partial_out_ptr, partial_lse_ptr, out_ptr, rows, tl.full([1], 1, tl.int1), num_splits,
         HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, 1,
