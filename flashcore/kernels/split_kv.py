@@ -101,8 +101,8 @@ def _merge_kv_splits_kernel(
         # its last reads of seq_lens) before the first load.
         gdc_wait()
         # A PDL launch after this one (the next decode call) may then launch while the merge runs, and wait in
-        # its own gdc_wait, so that its launch latency hides behind the merge (0.4-0.7 us a call on the H100's
-        # one-wave decode rows; benchmarks/NOTES.md, entry 34).
+        # its own gdc_wait, so that its launch latency hides behind the merge (0.36-0.65 us a call on the H100's
+        # B1 split decode rows, L <= 4k; benchmarks/NOTES.md, entry 34).
         gdc_launch_dependents()
     _merge_kv_splits(
         partial_out_ptr, partial_lse_ptr, out_ptr, rows, tl.full([1], 1, tl.int1), num_splits,
