@@ -10,9 +10,11 @@ Issue 5's attention targets, measured side by side with the reference in one run
 - chunked prefill (512 new tokens on an 8k cache) and a mixed batch (2 rows prefilling 512 tokens next to 6
   rows decoding at L = 4k, via ``query_lens``), against SDPA run per row.
 
-Every row first checks flashcore's output once against SDPA's, and the append itself (slots, ``seq_lens``,
-NaN-poisoned slots untouched), then times both sides (see ``harness.py`` for how, and why not do_bench
-directly). Ratios are ``sdpa_us / flashcore_us``: above 1 means flashcore is faster.
+Each side appends into its own cache, both holding the same values: flashcore's from ``flashcore.allocate_kv_cache``
+(each token's heads together), SDPA's a contiguous ``[B, H_kv, S_max, D]`` tensor (HF's StaticCache layout, the
+one SDPA is usually given). Every row first checks flashcore's output once against SDPA's, and the append itself
+(slots, ``seq_lens``, NaN-poisoned slots untouched), then times both sides (see ``harness.py`` for how, and why not
+do_bench directly). Ratios are ``sdpa_us / flashcore_us``: above 1 means flashcore is faster.
 
     python benchmarks/bench_attention.py --out DIR            # the full run, ~3-5 min on an H100
     python benchmarks/bench_attention.py --quick --out DIR    # a subset
@@ -50,13 +52,15 @@ DRY_RUN_LEN = {1024: 64, 4096: 128, 32768: 256, 2048: 64, 8192: 128, 16384: 192,
 
 @dataclass
 class CallSet:
-    """One call's inputs: new tokens, the cache they append to, and per-row lengths."""
+    """One call's inputs: new tokens, the caches they append to (flashcore's and SDPA's), and per-row lengths."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    k_cache: torch.Tensor
+    k_cache: torch.Tensor  # flashcore's, from flashcore.allocate_kv_cache
     v_cache: torch.Tensor
+    sdpa_k_cache: torch.Tensor  # the same values, contiguous [B, H_kv, S_max, D]
+    sdpa_v_cache: torch.Tensor
     seq_lens: torch.Tensor
     query_lens: torch.Tensor | None = None
 
@@ -101,6 +105,20 @@ def randn(ctx: Context, shape: tuple, generator: torch.Generator) -> torch.Tenso
     return torch.randn(shape, generator=generator, dtype=torch.bfloat16, device=ctx.device)
 
 
+def cache_bytes(n_sets: int, batch: int, num_kv_heads: int, s_max: int, head_dim: int) -> int:
+    """What a row's caches take: K and V, flashcore's and SDPA's, for each input set."""
+    return n_sets * 2 * 2 * batch * num_kv_heads * s_max * head_dim * ELEM_BYTES
+
+
+def flashcore_cache(sdpa_cache: torch.Tensor) -> torch.Tensor:
+    """A copy of SDPA's cache in the layout ``flashcore.allocate_kv_cache`` gives."""
+    batch, num_kv_heads, s_max, head_dim = sdpa_cache.shape
+    cache = flashcore.allocate_kv_cache(
+        batch, num_kv_heads, s_max, head_dim, dtype=sdpa_cache.dtype, device=sdpa_cache.device
+    )[0]
+    return cache.copy_(sdpa_cache)
+
+
 def new_cache(ctx: Context, shape: tuple, lens_before: list[int], generator: torch.Generator) -> torch.Tensor:
     """N(0, 1) in each row's first ``lens_before[b]`` slots, NaN past them: garbage must never reach an output."""
     cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=ctx.device)
@@ -120,13 +138,17 @@ def make_sets(ctx, label, n_sets, shape_q, shape_kv, s_max, lens_before, new_len
     sets = []
     for i in range(n_sets):
         cache_shape = (batch, num_kv_heads, s_max, head_dim)
+        sdpa_k_cache = new_cache(ctx, cache_shape, lens_before, generator)
+        sdpa_v_cache = new_cache(ctx, cache_shape, lens_before, generator)
         sets.append(
             CallSet(
                 q=randn(ctx, shape_q, generator),
                 k=randn(ctx, shape_kv, generator),
                 v=randn(ctx, shape_kv, generator),
-                k_cache=new_cache(ctx, cache_shape, lens_before, generator),
-                v_cache=new_cache(ctx, cache_shape, lens_before, generator),
+                k_cache=flashcore_cache(sdpa_k_cache),
+                v_cache=flashcore_cache(sdpa_v_cache),
+                sdpa_k_cache=sdpa_k_cache,
+                sdpa_v_cache=sdpa_v_cache,
                 seq_lens=seq_lens_all[i],
                 query_lens=query_lens,
             )
@@ -158,9 +180,9 @@ def sdpa_per_row(s: CallSet, lens_before: list[int], new_lens: list[int], masks:
 
 
 def _sdpa_rows(s: CallSet, rows: slice, length: int, n: int, masks: dict) -> torch.Tensor:
-    s.k_cache[rows, :, length : length + n].copy_(s.k[rows, :, :n])
-    s.v_cache[rows, :, length : length + n].copy_(s.v[rows, :, :n])
-    keys, values = s.k_cache[rows, :, : length + n], s.v_cache[rows, :, : length + n]
+    s.sdpa_k_cache[rows, :, length : length + n].copy_(s.k[rows, :, :n])
+    s.sdpa_v_cache[rows, :, length : length + n].copy_(s.v[rows, :, :n])
+    keys, values = s.sdpa_k_cache[rows, :, : length + n], s.sdpa_v_cache[rows, :, : length + n]
     q = s.q[rows, :, :n]
     if n == 1:
         return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
@@ -288,7 +310,7 @@ def decode_row(ctx: Context, row: dict) -> None:
     kv_read_bytes = 2 * batch * num_kv_heads * cache_len * head_dim * ELEM_BYTES
     n_sets = harness.rotation_sets(kv_read_bytes, ctx.args.max_rotation_sets)
     row.update(S_max=s_max, rotation_sets=n_sets, kv_read_mb=kv_read_bytes / 1e6)
-    if not fits(row, ctx, n_sets * 2 * batch * num_kv_heads * s_max * head_dim * ELEM_BYTES):
+    if not fits(row, ctx, cache_bytes(n_sets, batch, num_kv_heads, s_max, head_dim)):
         return
     row["fc_kv_splits"] = planned_kv_splits(ctx, num_q_heads // num_kv_heads, batch, num_kv_heads, s_max, head_dim)
     lens_before, new_lens = [cache_len] * batch, [1] * batch
@@ -303,7 +325,7 @@ def decode_row(ctx: Context, row: dict) -> None:
         import triton.testing
 
         s = sets[0]
-        keys, values = s.k_cache[:, :, : cache_len + 1], s.v_cache[:, :, : cache_len + 1]
+        keys, values = s.sdpa_k_cache[:, :, : cache_len + 1], s.sdpa_v_cache[:, :, : cache_len + 1]
 
         def sdpa_only():
             return F.scaled_dot_product_attention(s.q, keys, values, enable_gqa=True)
@@ -354,7 +376,7 @@ def chunked_row(ctx: Context, row: dict) -> None:
     n_sets = harness.rotation_sets(kv_read_bytes + 1, ctx.args.max_rotation_sets)
     row.update(B=batch, S_q=num_new, S_max=s_max, rotation_sets=n_sets, kv_read_mb=kv_read_bytes / 1e6)
     row.update(seq_lens=_run_length(lens_before), query_lens=_run_length(new_lens))
-    if not fits(row, ctx, n_sets * 2 * batch * num_kv_heads * s_max * head_dim * ELEM_BYTES):
+    if not fits(row, ctx, cache_bytes(n_sets, batch, num_kv_heads, s_max, head_dim)):
         return
     sets, reset = make_sets(
         ctx, row["name"], n_sets, (batch, num_q_heads, num_new, head_dim),

@@ -10,7 +10,7 @@ slots bitwise, untouched slots still NaN, ``seq_lens`` advanced, padding rows ex
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -177,3 +177,14 @@ def check_call(
                 f"{name}[{b}]: appended slots differ from the new tokens"
             )
             assert cache[b, :, cached + new :].isnan().all(), f"{name}[{b}]: wrote past the new end"
+
+
+def with_heads_interleaved_caches(inputs: CallInputs) -> CallInputs:
+    """The same call with its caches copied into ``[B, S_max, H_kv, D]`` buffers seen as ``[B, H_kv, S_max, D]``
+    (each token's heads together): the layout ``flashcore.allocate_kv_cache`` gives."""
+
+    def interleave(cache: torch.Tensor) -> torch.Tensor:
+        return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+    k_cache, v_cache, seq_lens = inputs.cache
+    return replace(inputs, cache=(interleave(k_cache), interleave(v_cache), seq_lens))

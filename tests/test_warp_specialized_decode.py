@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 from conftest import ON_GPU, TOLERANCES, randn
-from oracle import check_call, make_call_inputs
+from oracle import check_call, make_call_inputs, with_heads_interleaved_caches
 
 import flashcore
 import flashcore.kernels.attention as triton_attention
@@ -64,8 +64,11 @@ def test_supports_only_the_decode_calls_it_was_built_for(device, generator):
     assert not _supports(_decode_inputs(generator, device, torch.float32))
     assert not _supports(_decode_inputs(generator, device, torch.float16, head_dim=80))
     assert not _supports(_decode_inputs(generator, device, torch.float16, heads=(32, 1)))  # a group of 32
-    strided = torch.empty_like(inputs.cache[0]).transpose(1, 2).contiguous().transpose(1, 2)
-    assert not _supports(inputs, k_cache=strided)
+    assert _supports(with_heads_interleaved_caches(inputs))
+    assert not _supports(inputs, k_cache=with_heads_interleaved_caches(inputs).cache[0])  # K and V laid out differently
+    k_cache = inputs.cache[0]
+    padded_rows = torch.empty(*k_cache.shape[:-1], k_cache.shape[-1] + 8, dtype=k_cache.dtype, device=device)
+    assert not _supports(inputs, k_cache=padded_rows[..., :-8])
     chunk = make_call_inputs(
         randn, generator=generator, dtype=torch.float16, device=device, num_q_heads=32, num_kv_heads=8,
         num_new=2, head_dim=128, capacity=64, seq_lens=[10], query_lens=[2],
@@ -85,6 +88,23 @@ def test_supports_only_the_decode_calls_it_was_built_for(device, generator):
 )
 def test_decode_matches_oracle(dtype, heads, head_dim, seq_lens, device, generator):
     inputs = _decode_inputs(generator, device, dtype, heads=heads, head_dim=head_dim, seq_lens=seq_lens)
+    assert _supports(inputs)
+    out, cache = _decode(inputs)
+    check_call(inputs, out, cache, atol=TOLERANCES[dtype], is_causal=True)
+
+
+@hopper_only
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("heads, head_dim", [((32, 8), 128), ((9, 3), 64), ((32, 32), 128)], ids=["gqa", "smol", "mha"])
+@pytest.mark.parametrize(
+    "seq_lens", [[0, 1, 63, 64, 65], [4000, 129, 7], [60] * 32], ids=["short_tails", "long_and_short", "B32"]
+)
+def test_decode_matches_oracle_on_heads_interleaved_caches(dtype, heads, head_dim, seq_lens, device, generator):
+    """Caches whose tokens keep their heads together: the TMA tiles walk a [B * S_max, H_kv * D] view, and the
+    new token's K/V lands through the caches' own strides."""
+    inputs = with_heads_interleaved_caches(
+        _decode_inputs(generator, device, dtype, heads=heads, head_dim=head_dim, seq_lens=seq_lens)
+    )
     assert _supports(inputs)
     out, cache = _decode(inputs)
     check_call(inputs, out, cache, atol=TOLERANCES[dtype], is_causal=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ON_GPU, TOLERANCES, randn
-from oracle import check_call, make_call_inputs
+from oracle import check_call, make_call_inputs, with_heads_interleaved_caches
 
 import flashcore
 import flashcore.kernels.attention as triton_attention
@@ -51,6 +51,7 @@ def test_supports_only_the_chunks_it_was_built_for(device, generator):
     assert not _supports(_chunk_inputs(generator, device, torch.float16, seq_lens=[0], num_new=127))
     assert not _supports(_chunk_inputs(generator, device, torch.float32, seq_lens=[0], num_new=128))
     assert not _supports(_chunk_inputs(generator, device, torch.float16, seq_lens=[0], num_new=128, head_dim=64))
+    assert _supports(with_heads_interleaved_caches(inputs))  # allocate_kv_cache's layout
 
 
 @hopper_only
@@ -61,9 +62,13 @@ def test_supports_only_the_chunks_it_was_built_for(device, generator):
     [([0], 1024), ([0, 0], 200), ([1, 127], 128), ([100, 1000], 513), ([256], 300)],
     ids=["prefill", "ragged_block", "short_prefixes", "prefixes_inside_tiles", "tile_aligned_prefix"],
 )
-def test_chunk_matches_oracle(dtype, heads, seq_lens, num_new, device, generator, monkeypatch):
-    """Through the public op, which must hand these calls to the Gluon kernel (and not to the Triton one)."""
+@pytest.mark.parametrize("layout", ["contiguous", "heads_interleaved"])
+def test_chunk_matches_oracle(layout, dtype, heads, seq_lens, num_new, device, generator, monkeypatch):
+    """Through the public op, which must hand these calls to the Gluon kernel (and not to the Triton one), on
+    contiguous caches and on allocate_kv_cache's layout (each token's heads together)."""
     inputs = _chunk_inputs(generator, device, dtype, seq_lens=seq_lens, num_new=num_new, heads=heads)
+    if layout == "heads_interleaved":
+        inputs = with_heads_interleaved_caches(inputs)
     assert _supports(inputs)
     monkeypatch.setattr(triton_attention, "attention_with_kv_cache_triton", None)  # a call would raise
     out, cache = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -35,8 +36,8 @@ except ImportError:
 
 __all__ = [
     "HAS_GLUON", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "mma_v2", "online_softmax_step",
-    "partition_barrier", "runs_on", "tile_descriptor", "cached_tile_descriptor", "tma_load", "warpgroup_mma",
-    "warpgroup_mma_wait",
+    "partition_barrier", "runs_on", "tile_descriptor", "CacheTileGrid", "cache_tile_grid", "cached_tile_descriptor",
+    "tma_load", "warpgroup_mma", "warpgroup_mma_wait",
 ]  # fmt: skip
 
 if HAS_GLUON:
@@ -92,26 +93,52 @@ class _DeviceAddress:
         return self.address
 
 
+class CacheTileGrid(NamedTuple):
+    """A ``[B, H_kv, S_max, D]`` cache seen as the 2D ``[rows, cols]`` tensor a TMA descriptor walks: token
+    ``(b, h, s)`` starts at row ``b * rows_per_batch + h * rows_per_head + s``, column ``h * cols_per_head``."""
+
+    rows: int
+    cols: int
+    rows_per_batch: int
+    rows_per_head: int
+    cols_per_head: int
+
+
+def cache_tile_grid(cache: torch.Tensor) -> CacheTileGrid | None:
+    """The 2D view of a cache in one of the two layouts the Gluon kernels read, else None.
+
+    ``[B, H_kv, S_max, D]`` contiguous (each head's tokens together), or a ``[B, S_max, H_kv, D]`` buffer
+    transposed to that shape (each token's heads together), which is how :func:`flashcore.allocate_kv_cache`
+    allocates it.
+    """
+    batch, heads, capacity, head_dim = cache.shape
+    if cache.is_contiguous():
+        return CacheTileGrid(batch * heads * capacity, head_dim, heads * capacity, capacity, 0)
+    if cache.stride() == (capacity * heads * head_dim, head_dim, heads * head_dim, 1):
+        return CacheTileGrid(batch * capacity, heads * head_dim, capacity, 0, head_dim)
+    return None
+
+
 MAX_CACHED_DESCRIPTORS = 1024  # two per layer of each live cache; a new allocation adds one
 _descriptors: dict[tuple, TensorDescriptor] = {}
 
 
-def cached_tile_descriptor(tensor: torch.Tensor, block_rows: int) -> TensorDescriptor:
-    """:func:`tile_descriptor` for a tensor that lives across calls (a KV cache), built once per address.
+def cached_tile_descriptor(cache: torch.Tensor, grid: CacheTileGrid, block_rows: int) -> TensorDescriptor:
+    """A TMA descriptor over a cache (a tensor that lives across calls) seen as ``grid``, in ``[block_rows, D]``
+    boxes, built once per address.
 
     Building a descriptor (a view, and the dataclass's checks) is most of the host time an eager decode call
-    would add to its launch (benchmarks/NOTES.md, entry 30). A descriptor is a function of the address, shape,
+    would add to its launch (benchmarks/NOTES.md, entry 30). A descriptor is a function of the address, grid,
     dtype and box alone, so that is the key. It holds the address, not the tensor: a freed cache's memory is
-    not kept alive, and a new tensor at the same address and shape gets the same, still correct, descriptor.
+    not kept alive, and a new tensor at the same address and grid gets the same, still correct, descriptor.
     """
-    key = (tensor.data_ptr(), tensor.numel(), tensor.shape[-1], tensor.dtype, block_rows)
+    head_dim = cache.shape[-1]
+    key = (cache.data_ptr(), grid, head_dim, cache.dtype, block_rows)
     descriptor = _descriptors.get(key)
     if descriptor is None:
-        head_dim = tensor.shape[-1]
-        rows = tensor.numel() // head_dim
-        layout = _tile_layout(tensor.dtype, block_rows, head_dim)
-        base = _DeviceAddress(tensor.data_ptr(), tensor.dtype)
-        descriptor = TensorDescriptor(base, [rows, head_dim], [head_dim, 1], [block_rows, head_dim], layout)
+        layout = _tile_layout(cache.dtype, block_rows, head_dim)
+        base = _DeviceAddress(cache.data_ptr(), cache.dtype)
+        descriptor = TensorDescriptor(base, [grid.rows, grid.cols], [grid.cols, 1], [block_rows, head_dim], layout)
         if len(_descriptors) >= MAX_CACHED_DESCRIPTORS:
             _descriptors.clear()
         _descriptors[key] = descriptor

@@ -2,9 +2,9 @@
 
 Semantics are :func:`flashcore.ops.attention_with_kv_cache`'s, for the calls this kernel takes: one new token
 per row (``S_q == 1``; ``query_lens`` may mark a row as padding), no window, fp16/bf16, ``D`` 64 or 128,
-``H_q // H_kv <= 16``, contiguous caches, on an sm_90 GPU. :func:`supports` says whether a call is one of them;
-ops.py hands each of them over, eager or captured into a CUDA graph, so that a graph-replayed decode step gives
-the eager one's bits.
+``H_q // H_kv <= 16``, caches in a layout ``gluon_hopper.cache_tile_grid`` takes, on an sm_90 GPU. :func:`supports`
+says whether a call is one of them; ops.py hands each of them over, eager or captured into a CUDA graph, so that a
+graph-replayed decode step gives the eager one's bits.
 
 Why a second decode kernel, in Gluon rather than Triton: at decode the K/V stream is the whole cost, and the
 Triton kernel's software pipeline keeps a block barrier at every stage handoff, so its loads are issued late
@@ -37,6 +37,7 @@ from flashcore.kernels.split_kv import merge_kv_splits
 
 if gluon_hopper.HAS_GLUON:
     from flashcore.kernels.gluon_hopper import (
+        cache_tile_grid,
         cached_tile_descriptor,
         fence_async_shared,
         gl,
@@ -70,8 +71,8 @@ def supports(query, key, value, k_cache, v_cache, query_lens, sliding_window: in
         and head_dim in HEAD_DIMS
         and num_q_heads // num_kv_heads <= BLOCK_M
         and query.stride(3) == key.stride(3) == value.stride(3) == 1
-        and k_cache.is_contiguous()
-        and v_cache.is_contiguous()
+        and gluon_hopper.cache_tile_grid(k_cache) is not None
+        and k_cache.stride() == v_cache.stride()
         and k_cache.data_ptr() % 16 == 0
         and v_cache.data_ptr() % 16 == 0
         and batch * num_kv_heads * capacity < 2**31  # TMA coordinates are int32
@@ -136,7 +137,7 @@ if gluon_hopper.HAS_GLUON:
     @gluon.jit
     def _stream_kv_tiles(
         k_desc, v_desc, k_tiles, v_tiles, ready, empty, seq_lens_ptr, row_tickets_ptr,
-        batch, new_seq_len, row_base, lo, num_tiles, num_row_programs,
+        batch, new_seq_len, row_base, col, lo, num_tiles, num_row_programs,
         ADVANCE_SEQ_LENS: gl.constexpr, BLOCK_N: gl.constexpr,
     ):  # fmt: skip
         """The producer warp: fills the stages in turn, each as soon as the consumers hand it back."""
@@ -147,8 +148,8 @@ if gluon_hopper.HAS_GLUON:
             mbarrier.wait(empty.index(stage), ((i // NUM_STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             row = row_base + lo + i * BLOCK_N
-            tma_load(k_desc, [row, 0], ready.index(stage), k_tiles.index(stage))
-            tma_load(v_desc, [row, 0], ready.index(stage), v_tiles.index(stage))
+            tma_load(k_desc, [row, col], ready.index(stage), k_tiles.index(stage))
+            tma_load(v_desc, [row, col], ready.index(stage), v_tiles.index(stage))
         if ADVANCE_SEQ_LENS:
             # Taken after the last copy is issued, while the consumers work through the last stages. Only the
             # consumer warps read seq_lens (worker warps idle until their partition starts), and stage 0's first
@@ -162,7 +163,8 @@ if gluon_hopper.HAS_GLUON:
         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
         seq_lens_ptr, row_tickets_ptr, tile_tickets_ptr, k_tiles, v_tiles, ready, empty,
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-        batch, kv_head, split, num_splits, seq_len, row_new, new_seq_len, lo, hi, num_tiles, row_base, num_kv_heads,
+        stride_cache_b, stride_cache_h, stride_cache_s,
+        batch, kv_head, split, num_splits, seq_len, row_new, new_seq_len, lo, hi, num_tiles, num_kv_heads,
         capacity, qk_scale,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         USE_SPLIT_KV: gl.constexpr, MERGE_IN_LAUNCH: gl.constexpr, SPLITS_PAD: gl.constexpr,
@@ -196,7 +198,9 @@ if gluon_hopper.HAS_GLUON:
         if split == 0:
             # A row already at capacity (only with check=False) stores nothing: tokens past capacity are dropped.
             mask_append = (offs_d < HEAD_DIM) & (seq_len < capacity) & (row_new > 0)
-            append_offsets = (row_base + seq_len).to(gl.int64) * HEAD_DIM + offs_d
+            append_offsets = (
+                batch.to(gl.int64) * stride_cache_b + kv_head * stride_cache_h + seq_len.to(gl.int64) * stride_cache_s
+            ) + offs_d
             gl.store(k_cache_ptr + append_offsets, k_new, mask=mask_append)
             gl.store(v_cache_ptr + append_offsets, v_new, mask=mask_append)
         if ADVANCE_SEQ_LENS:
@@ -277,9 +281,9 @@ if gluon_hopper.HAS_GLUON:
         q_ptr,  # [B, H_q, 1, D], stride 1 along D
         k_ptr,  # [B, H_kv, 1, D]: the new token's key
         v_ptr,  # [B, H_kv, 1, D]
-        k_cache_ptr,  # [B, H_kv, S_max, D], contiguous: the append's target
+        k_cache_ptr,  # [B, H_kv, S_max, D], a layout gluon_hopper.cache_tile_grid takes: the append's target
         v_cache_ptr,
-        k_desc,  # TMA descriptor over k_cache viewed as [B * H_kv * S_max, D], [BLOCK_N, D] boxes
+        k_desc,  # TMA descriptor over k_cache seen as gluon_hopper.CacheTileGrid's 2D view, [BLOCK_N, D] boxes
         v_desc,
         seq_lens_ptr,  # [B] int32
         query_lens_ptr,  # [B] int32, HAS_QUERY_LENS only: 1 for a new token, 0 for a padding row
@@ -289,6 +293,8 @@ if gluon_hopper.HAS_GLUON:
         partial_out_ptr,  # USE_SPLIT_KV only: [B * H_q, splits, D] fp32
         partial_lse_ptr,  # USE_SPLIT_KV only: [B * H_q, splits] fp32
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+        stride_cache_b, stride_cache_h, stride_cache_s,  # K's and V's (the same), in elements
+        rows_per_batch, rows_per_head, cols_per_head,  # the descriptors' grid (CacheTileGrid)
         num_kv_heads,
         capacity,  # S_max
         qk_scale,  # softmax scale * log2(e)
@@ -330,7 +336,8 @@ if gluon_hopper.HAS_GLUON:
         lo = gl.minimum(split * split_len, seq_len)
         hi = lo + (gl.minimum(lo + split_len, seq_len) - lo) * row_new  # a padding row reads nothing: its output is 0
         num_tiles = gl.cdiv(hi - lo, BLOCK_N)
-        row_base = pid_bh * capacity
+        row_base = batch * rows_per_batch + kv_head * rows_per_head
+        col = kv_head * cols_per_head
 
         k_tiles = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
         v_tiles = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -349,8 +356,9 @@ if gluon_hopper.HAS_GLUON:
                         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
                         seq_lens_ptr, row_tickets_ptr, tile_tickets_ptr, k_tiles, v_tiles, ready, empty,
                         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
+                        stride_cache_b, stride_cache_h, stride_cache_s,
                         batch, kv_head, split, num_splits, seq_len, row_new, seq_len_before + row_new, lo, hi,
-                        num_tiles, row_base, num_kv_heads, capacity, qk_scale,
+                        num_tiles, num_kv_heads, capacity, qk_scale,
                         GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, USE_SPLIT_KV, MERGE_IN_LAUNCH, SPLITS_PAD, MERGE_ROWS,
                         ADVANCE_SEQ_LENS, NUM_WARPS,
                     ),
@@ -359,7 +367,7 @@ if gluon_hopper.HAS_GLUON:
                     _stream_kv_tiles,
                     (
                         k_desc, v_desc, k_tiles, v_tiles, ready, empty, seq_lens_ptr, row_tickets_ptr,
-                        batch, seq_len_before + row_new, row_base, lo, num_tiles, num_kv_heads,
+                        batch, seq_len_before + row_new, row_base, col, lo, num_tiles, num_kv_heads,
                         ADVANCE_SEQ_LENS, BLOCK_N,
                     ),
                 ),
@@ -413,15 +421,17 @@ def decode_with_kv_cache(
     else:
         partial_out = partial_lse = out  # unused without USE_SPLIT_KV
     use_pdl = uses_programmatic_launch(query.device)
+    grid = cache_tile_grid(k_cache)
     _launch_decode(
         (batch * num_kv_heads, num_splits, 1),
         (
             query, key, value, k_cache, v_cache,
-            cached_tile_descriptor(k_cache, block_n), cached_tile_descriptor(v_cache, block_n),
+            cached_tile_descriptor(k_cache, grid, block_n), cached_tile_descriptor(v_cache, grid, block_n),
             seq_lens, query_lens if query_lens is not None else seq_lens, row_tickets, tile_tickets,
             out, partial_out, partial_lse,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            num_kv_heads, capacity, scale * LOG2_E,
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), grid.rows_per_batch, grid.rows_per_head,
+            grid.cols_per_head, num_kv_heads, capacity, scale * LOG2_E,
         ),
         dict(
             GROUP=group,

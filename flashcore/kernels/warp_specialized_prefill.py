@@ -3,7 +3,8 @@ for each other.
 
 Semantics are :func:`flashcore.ops.attention_with_kv_cache`'s, for the calls this kernel takes: causal, at least
 ``MIN_NEW_TOKENS`` new tokens per row and no ``query_lens`` (every row appends ``S_q``), no window, fp16/bf16,
-``D`` 128, contiguous q/k/v and caches, on an sm_90 GPU. :func:`supports` says whether a call is one of them.
+``D`` 128, contiguous q/k/v, caches in a layout ``gluon_hopper.cache_tile_grid`` takes, on an sm_90 GPU.
+:func:`supports` says whether a call is one of them.
 
 Why: the Triton kernel's two warpgroups run their softmax and their MMAs in lockstep behind block barriers, so the
 tensor cores idle while the softmax runs (NOTES.md, entries 9 and 26). FA3 splits a program's 128 query rows
@@ -26,6 +27,8 @@ from flashcore.kernels.scratch import scratch_buffer
 
 if gluon_hopper.HAS_GLUON:
     from flashcore.kernels.gluon_hopper import (
+        cache_tile_grid,
+        cached_tile_descriptor,
         fence_async_shared,
         gl,
         gluon,
@@ -63,7 +66,10 @@ def supports(query, key, value, k_cache, v_cache, query_lens, is_causal: bool, s
         and sliding_window == 0
         and query.dtype in (torch.float16, torch.bfloat16)
         and head_dim == HEAD_DIM
-        and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (query, key, value, k_cache, v_cache))
+        and all(t.is_contiguous() for t in (query, key, value))
+        and all(t.data_ptr() % 16 == 0 for t in (query, key, value, k_cache, v_cache))
+        and gluon_hopper.cache_tile_grid(k_cache) is not None
+        and k_cache.stride() == v_cache.stride()
         and batch * max(num_q_heads * num_new, num_kv_heads * capacity) < 2**31  # TMA coordinates are int32
     )
 
@@ -81,8 +87,8 @@ if gluon_hopper.HAS_GLUON:
         """
         (q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, q_smem, k_tiles, v_tiles, q_ready, ready, empty,
          tail_fixed, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, row_tickets_ptr,
-         batch, seq_len_before, seq_len, num_new, capacity, q_row, new_row, cache_row, m0, num_cache_tiles,
-         num_tiles, num_row_programs, is_appender, qk_scale) = args  # fmt: skip
+         batch, seq_len_before, seq_len, num_new, capacity, q_row, new_row, cache_row, cache_col, cache_base,
+         stride_cache_s, m0, num_cache_tiles, num_tiles, num_row_programs, is_appender, qk_scale) = args  # fmt: skip
         HALF_M: gl.constexpr = q_smem.type.shape[1]
         TILE_N: gl.constexpr = k_tiles.type.shape[1]
         STAGES: gl.constexpr = k_tiles.type.shape[0]
@@ -95,8 +101,8 @@ if gluon_hopper.HAS_GLUON:
             mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(stage), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
             if i < num_cache_tiles:
-                tma_load(k_cache_desc, [cache_row + i * TILE_N, 0], ready.index(stage), k_tiles.index(stage))
-                tma_load(v_cache_desc, [cache_row + i * TILE_N, 0], ready.index(stage), v_tiles.index(stage))
+                tma_load(k_cache_desc, [cache_row + i * TILE_N, cache_col], ready.index(stage), k_tiles.index(stage))
+                tma_load(v_cache_desc, [cache_row + i * TILE_N, cache_col], ready.index(stage), v_tiles.index(stage))
             else:
                 row = new_row + (i - num_cache_tiles) * TILE_N
                 tma_load(k_desc, [row, 0], ready.index(stage), k_tiles.index(stage))
@@ -114,8 +120,8 @@ if gluon_hopper.HAS_GLUON:
         """One consumer warpgroup: query rows [m0 + 64 * HALF, + 64) against every key tile, then the epilogue."""
         (q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, q_smem, k_tiles, v_tiles, q_ready, ready, empty,
          tail_fixed, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, row_tickets_ptr,
-         batch, seq_len_before, seq_len, num_new, capacity, q_row, new_row, cache_row, m0, num_cache_tiles,
-         num_tiles, num_row_programs, is_appender, qk_scale) = args  # fmt: skip
+         batch, seq_len_before, seq_len, num_new, capacity, q_row, new_row, cache_row, cache_col, cache_base,
+         stride_cache_s, m0, num_cache_tiles, num_tiles, num_row_programs, is_appender, qk_scale) = args  # fmt: skip
         HALF_M: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
         TILE_N: gl.constexpr = k_tiles.type.shape[1]
@@ -139,7 +145,7 @@ if gluon_hopper.HAS_GLUON:
                 # A row already at capacity (only with check=False) stores nothing: tokens past it are dropped.
                 mask = ((token < num_new) & (seq_len + token < capacity))[:, None] & (offs_d_copy < D)[None, :]
                 src = (new_row + token).to(gl.int64)[:, None] * D + offs_d_copy[None, :]
-                dst = (cache_row + seq_len + token).to(gl.int64)[:, None] * D + offs_d_copy[None, :]
+                dst = cache_base + (seq_len + token).to(gl.int64)[:, None] * stride_cache_s + offs_d_copy[None, :]
                 gl.store(k_cache_ptr + dst, gl.load(k_ptr + src, mask=mask), mask=mask)
                 gl.store(v_cache_ptr + dst, gl.load(v_ptr + src, mask=mask), mask=mask)
 
@@ -199,7 +205,7 @@ if gluon_hopper.HAS_GLUON:
         q_ptr,  # [B, H_q, S_q, D], contiguous (a tensor first: CachedLauncher reads the device off it)
         k_ptr,  # [B, H_kv, S_q, D], contiguous: the append's source
         v_ptr,
-        k_cache_ptr,  # [B, H_kv, S_max, D], contiguous: the append's target
+        k_cache_ptr,  # [B, H_kv, S_max, D], a layout gluon_hopper.cache_tile_grid takes: the append's target
         v_cache_ptr,
         out_ptr,  # [B, H_q, S_q, D], contiguous
         seq_lens_ptr,  # [B] int32
@@ -207,8 +213,10 @@ if gluon_hopper.HAS_GLUON:
         q_desc,  # TMA descriptor over query [B * H_q * S_q, D], [64, D] boxes
         k_desc,  # over key [B * H_kv * S_q, D], [BLOCK_N, D] boxes
         v_desc,
-        k_cache_desc,  # over k_cache [B * H_kv * S_max, D], [BLOCK_N, D] boxes
+        k_cache_desc,  # over k_cache seen as its CacheTileGrid's 2D view, [BLOCK_N, D] boxes
         v_cache_desc,
+        stride_cache_b, stride_cache_h, stride_cache_s,  # K's and V's (the same), in elements
+        rows_per_batch, rows_per_head, cols_per_head,  # the cache descriptors' grid (CacheTileGrid)
         num_new,  # S_q
         capacity,  # S_max
         num_q_heads,
@@ -252,8 +260,9 @@ if gluon_hopper.HAS_GLUON:
             q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, q_smem, k_tiles, v_tiles, q_ready, ready, empty,
             tail_fixed, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, row_tickets_ptr,
             batch, seq_len_before, seq_len, num_new, capacity, pid_bh * num_new + m0, kv_row * num_new,
-            kv_row * capacity, m0, num_cache_tiles, num_tiles, num_m_blocks * num_q_heads, head % group == 0,
-            qk_scale,
+            batch * rows_per_batch + kv_head * rows_per_head, kv_head * cols_per_head,
+            batch.to(gl.int64) * stride_cache_b + kv_head * stride_cache_h, stride_cache_s,
+            m0, num_cache_tiles, num_tiles, num_m_blocks * num_q_heads, head % group == 0, qk_scale,
         )  # fmt: skip
         gl.warp_specialize(
             [(_attend_half, (args, 0)), (_attend_half, (args, 1)), (_stream_tiles, (args, 0))],
@@ -281,14 +290,16 @@ def prefill_with_kv_cache(
         return out
     row_tickets = scratch_buffer("row_tickets", batch, torch.int32, query.device)
     num_m_blocks = -(-num_new // BLOCK_M)
+    grid = cache_tile_grid(k_cache)
     # The cached launch path: through the JIT, a 2k-token call was host-bound (2.4x the kernel; NOTES.md, entry 30).
     _launch_prefill(
         (num_m_blocks, batch * num_q_heads, 1),
         (
             query, key, value, k_cache, v_cache, out, seq_lens, row_tickets,
             tile_descriptor(query, BLOCK_M // 2), tile_descriptor(key, BLOCK_N), tile_descriptor(value, BLOCK_N),
-            tile_descriptor(k_cache, BLOCK_N), tile_descriptor(v_cache, BLOCK_N),
-            num_new, capacity, num_q_heads, num_kv_heads, scale * LOG2_E,
+            cached_tile_descriptor(k_cache, grid, BLOCK_N), cached_tile_descriptor(v_cache, grid, BLOCK_N),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), grid.rows_per_batch, grid.rows_per_head,
+            grid.cols_per_head, num_new, capacity, num_q_heads, num_kv_heads, scale * LOG2_E,
         ),
         dict(BLOCK_M=BLOCK_M, NUM_STAGES=NUM_STAGES),
         num_warps=4,
