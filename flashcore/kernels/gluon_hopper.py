@@ -95,7 +95,8 @@ class _DeviceAddress:
 
 class CacheTileGrid(NamedTuple):
     """A ``[B, H_kv, S_max, D]`` cache seen as the 2D ``[rows, cols]`` tensor a TMA descriptor walks: token
-    ``(b, h, s)`` starts at row ``b * rows_per_batch + h * rows_per_head + s``, column ``h * cols_per_head``."""
+    ``(b, h, s)`` starts at row ``b * rows_per_batch + h * rows_per_head + s``, column ``h * cols_per_head``, so
+    element ``d`` of it sits at ``row * cols + column + d`` in the buffer."""
 
     rows: int
     cols: int
@@ -109,37 +110,53 @@ def cache_tile_grid(cache: torch.Tensor) -> CacheTileGrid | None:
 
     ``[B, H_kv, S_max, D]`` contiguous (each head's tokens together), or a ``[B, S_max, H_kv, D]`` buffer
     transposed to that shape (each token's heads together), which is how :func:`flashcore.allocate_kv_cache`
-    allocates it.
+    allocates it. Cached per shape and strides: ops asks on every call (host time).
     """
-    batch, heads, capacity, head_dim = cache.shape
-    if cache.is_contiguous():
+    return _cache_tile_grid(cache.shape, cache.stride())
+
+
+@functools.cache
+def _cache_tile_grid(shape: torch.Size, strides: tuple[int, ...]) -> CacheTileGrid | None:
+    batch, heads, capacity, head_dim = shape
+    if _is_contiguous(shape, strides):
         return CacheTileGrid(batch * heads * capacity, head_dim, heads * capacity, capacity, 0)
-    if cache.stride() == (capacity * heads * head_dim, head_dim, heads * head_dim, 1):
+    if strides == (capacity * heads * head_dim, head_dim, heads * head_dim, 1):
         return CacheTileGrid(batch * capacity, heads * head_dim, capacity, 0, head_dim)
     return None
 
 
+def _is_contiguous(shape: torch.Size, strides: tuple[int, ...]) -> bool:
+    """torch's rule, which ignores the stride of a dimension of size 1."""
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 MAX_CACHED_DESCRIPTORS = 1024  # two per layer of each live cache; a new allocation adds one
-_descriptors: dict[tuple, TensorDescriptor] = {}
+_descriptors: dict[tuple, tuple[TensorDescriptor, CacheTileGrid]] = {}
 
 
-def cached_tile_descriptor(cache: torch.Tensor, grid: CacheTileGrid, block_rows: int) -> TensorDescriptor:
-    """A TMA descriptor over a cache (a tensor that lives across calls) seen as ``grid``, in ``[block_rows, D]``
-    boxes, built once per address.
+def cached_tile_descriptor(cache: torch.Tensor, block_rows: int) -> tuple[TensorDescriptor, CacheTileGrid]:
+    """A TMA descriptor over a cache (a tensor that lives across calls, in a layout :func:`cache_tile_grid`
+    takes) seen as its grid, in ``[block_rows, D]`` boxes, and that grid; built once per address and layout.
 
     Building a descriptor (a view, and the dataclass's checks) is most of the host time an eager decode call
-    would add to its launch (benchmarks/NOTES.md, entry 30). A descriptor is a function of the address, grid,
-    dtype and box alone, so that is the key. It holds the address, not the tensor: a freed cache's memory is
-    not kept alive, and a new tensor at the same address and grid gets the same, still correct, descriptor.
+    would add to its launch (benchmarks/NOTES.md, entry 30). A descriptor is a function of the address, shape,
+    strides, dtype and box alone, so that is the key. It holds the address, not the tensor: a freed cache's memory
+    is not kept alive, and a new tensor at the same address and layout gets the same, still correct, descriptor.
     """
-    head_dim = cache.shape[-1]
-    key = (cache.data_ptr(), grid, head_dim, cache.dtype, block_rows)
-    descriptor = _descriptors.get(key)
-    if descriptor is None:
+    key = (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype, block_rows)
+    entry = _descriptors.get(key)
+    if entry is None:
+        grid = cache_tile_grid(cache)
+        head_dim = cache.shape[-1]
         layout = _tile_layout(cache.dtype, block_rows, head_dim)
         base = _DeviceAddress(cache.data_ptr(), cache.dtype)
         descriptor = TensorDescriptor(base, [grid.rows, grid.cols], [grid.cols, 1], [block_rows, head_dim], layout)
         if len(_descriptors) >= MAX_CACHED_DESCRIPTORS:
             _descriptors.clear()
-        _descriptors[key] = descriptor
-    return descriptor
+        entry = _descriptors[key] = (descriptor, grid)
+    return entry

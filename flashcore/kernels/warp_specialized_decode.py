@@ -37,7 +37,6 @@ from flashcore.kernels.split_kv import merge_kv_splits
 
 if gluon_hopper.HAS_GLUON:
     from flashcore.kernels.gluon_hopper import (
-        cache_tile_grid,
         cached_tile_descriptor,
         fence_async_shared,
         gl,
@@ -71,8 +70,8 @@ def supports(query, key, value, k_cache, v_cache, query_lens, sliding_window: in
         and head_dim in HEAD_DIMS
         and num_q_heads // num_kv_heads <= BLOCK_M
         and query.stride(3) == key.stride(3) == value.stride(3) == 1
-        and gluon_hopper.cache_tile_grid(k_cache) is not None
         and k_cache.stride() == v_cache.stride()
+        and gluon_hopper.cache_tile_grid(k_cache) is not None
         and k_cache.data_ptr() % 16 == 0
         and v_cache.data_ptr() % 16 == 0
         and batch * num_kv_heads * capacity < 2**31  # TMA coordinates are int32
@@ -163,9 +162,8 @@ if gluon_hopper.HAS_GLUON:
         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
         seq_lens_ptr, row_tickets_ptr, tile_tickets_ptr, k_tiles, v_tiles, ready, empty,
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-        stride_cache_b, stride_cache_h, stride_cache_s,
-        batch, kv_head, split, num_splits, seq_len, row_new, new_seq_len, lo, hi, num_tiles, num_kv_heads,
-        capacity, qk_scale,
+        batch, kv_head, split, num_splits, seq_len, row_new, new_seq_len, lo, hi, num_tiles, row_base, col,
+        row_stride, num_kv_heads, capacity, qk_scale,
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         USE_SPLIT_KV: gl.constexpr, MERGE_IN_LAUNCH: gl.constexpr, SPLITS_PAD: gl.constexpr,
         MERGE_ROWS: gl.constexpr, ADVANCE_SEQ_LENS: gl.constexpr, NUM_WARPS: gl.constexpr,
@@ -198,9 +196,7 @@ if gluon_hopper.HAS_GLUON:
         if split == 0:
             # A row already at capacity (only with check=False) stores nothing: tokens past capacity are dropped.
             mask_append = (offs_d < HEAD_DIM) & (seq_len < capacity) & (row_new > 0)
-            append_offsets = (
-                batch.to(gl.int64) * stride_cache_b + kv_head * stride_cache_h + seq_len.to(gl.int64) * stride_cache_s
-            ) + offs_d
+            append_offsets = (row_base + seq_len).to(gl.int64) * row_stride + col + offs_d
             gl.store(k_cache_ptr + append_offsets, k_new, mask=mask_append)
             gl.store(v_cache_ptr + append_offsets, v_new, mask=mask_append)
         if ADVANCE_SEQ_LENS:
@@ -293,8 +289,7 @@ if gluon_hopper.HAS_GLUON:
         partial_out_ptr,  # USE_SPLIT_KV only: [B * H_q, splits, D] fp32
         partial_lse_ptr,  # USE_SPLIT_KV only: [B * H_q, splits] fp32
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-        stride_cache_b, stride_cache_h, stride_cache_s,  # K's and V's (the same), in elements
-        rows_per_batch, rows_per_head, cols_per_head,  # the descriptors' grid (CacheTileGrid)
+        row_stride, rows_per_batch, rows_per_head, cols_per_head,  # the caches' CacheTileGrid (cols, then the rest)
         num_kv_heads,
         capacity,  # S_max
         qk_scale,  # softmax scale * log2(e)
@@ -356,9 +351,8 @@ if gluon_hopper.HAS_GLUON:
                         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
                         seq_lens_ptr, row_tickets_ptr, tile_tickets_ptr, k_tiles, v_tiles, ready, empty,
                         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-                        stride_cache_b, stride_cache_h, stride_cache_s,
                         batch, kv_head, split, num_splits, seq_len, row_new, seq_len_before + row_new, lo, hi,
-                        num_tiles, num_kv_heads, capacity, qk_scale,
+                        num_tiles, row_base, col, row_stride, num_kv_heads, capacity, qk_scale,
                         GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, USE_SPLIT_KV, MERGE_IN_LAUNCH, SPLITS_PAD, MERGE_ROWS,
                         ADVANCE_SEQ_LENS, NUM_WARPS,
                     ),
@@ -421,17 +415,18 @@ def decode_with_kv_cache(
     else:
         partial_out = partial_lse = out  # unused without USE_SPLIT_KV
     use_pdl = uses_programmatic_launch(query.device)
-    grid = cache_tile_grid(k_cache)
+    k_desc, grid = cached_tile_descriptor(k_cache, block_n)
+    v_desc = cached_tile_descriptor(v_cache, block_n)[0]  # the same grid: supports() checked the strides
     _launch_decode(
         (batch * num_kv_heads, num_splits, 1),
         (
             query, key, value, k_cache, v_cache,
-            cached_tile_descriptor(k_cache, grid, block_n), cached_tile_descriptor(v_cache, grid, block_n),
+            k_desc, v_desc,
             seq_lens, query_lens if query_lens is not None else seq_lens, row_tickets, tile_tickets,
             out, partial_out, partial_lse,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), grid.rows_per_batch, grid.rows_per_head,
-            grid.cols_per_head, num_kv_heads, capacity, scale * LOG2_E,
+            grid.cols, grid.rows_per_batch, grid.rows_per_head, grid.cols_per_head, num_kv_heads, capacity,
+            scale * LOG2_E,
         ),
         dict(
             GROUP=group,

@@ -27,7 +27,6 @@ from flashcore.kernels.scratch import scratch_buffer
 
 if gluon_hopper.HAS_GLUON:
     from flashcore.kernels.gluon_hopper import (
-        cache_tile_grid,
         cached_tile_descriptor,
         fence_async_shared,
         gl,
@@ -87,8 +86,8 @@ if gluon_hopper.HAS_GLUON:
         """
         (q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, q_smem, k_tiles, v_tiles, q_ready, ready, empty,
          tail_fixed, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, row_tickets_ptr,
-         batch, seq_len_before, seq_len, num_new, capacity, q_row, new_row, cache_row, cache_col, cache_base,
-         stride_cache_s, m0, num_cache_tiles, num_tiles, num_row_programs, is_appender, qk_scale) = args  # fmt: skip
+         batch, seq_len_before, seq_len, num_new, capacity, q_row, new_row, cache_row, cache_col, cache_row_stride,
+         m0, num_cache_tiles, num_tiles, num_row_programs, is_appender, qk_scale) = args  # fmt: skip
         HALF_M: gl.constexpr = q_smem.type.shape[1]
         TILE_N: gl.constexpr = k_tiles.type.shape[1]
         STAGES: gl.constexpr = k_tiles.type.shape[0]
@@ -120,8 +119,8 @@ if gluon_hopper.HAS_GLUON:
         """One consumer warpgroup: query rows [m0 + 64 * HALF, + 64) against every key tile, then the epilogue."""
         (q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, q_smem, k_tiles, v_tiles, q_ready, ready, empty,
          tail_fixed, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, row_tickets_ptr,
-         batch, seq_len_before, seq_len, num_new, capacity, q_row, new_row, cache_row, cache_col, cache_base,
-         stride_cache_s, m0, num_cache_tiles, num_tiles, num_row_programs, is_appender, qk_scale) = args  # fmt: skip
+         batch, seq_len_before, seq_len, num_new, capacity, q_row, new_row, cache_row, cache_col, cache_row_stride,
+         m0, num_cache_tiles, num_tiles, num_row_programs, is_appender, qk_scale) = args  # fmt: skip
         HALF_M: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
         TILE_N: gl.constexpr = k_tiles.type.shape[1]
@@ -145,7 +144,8 @@ if gluon_hopper.HAS_GLUON:
                 # A row already at capacity (only with check=False) stores nothing: tokens past it are dropped.
                 mask = ((token < num_new) & (seq_len + token < capacity))[:, None] & (offs_d_copy < D)[None, :]
                 src = (new_row + token).to(gl.int64)[:, None] * D + offs_d_copy[None, :]
-                dst = cache_base + (seq_len + token).to(gl.int64)[:, None] * stride_cache_s + offs_d_copy[None, :]
+                dst = (cache_row + seq_len + token).to(gl.int64)[:, None] * cache_row_stride + cache_col
+                dst = dst + offs_d_copy[None, :]
                 gl.store(k_cache_ptr + dst, gl.load(k_ptr + src, mask=mask), mask=mask)
                 gl.store(v_cache_ptr + dst, gl.load(v_ptr + src, mask=mask), mask=mask)
 
@@ -215,8 +215,7 @@ if gluon_hopper.HAS_GLUON:
         v_desc,
         k_cache_desc,  # over k_cache seen as its CacheTileGrid's 2D view, [BLOCK_N, D] boxes
         v_cache_desc,
-        stride_cache_b, stride_cache_h, stride_cache_s,  # K's and V's (the same), in elements
-        rows_per_batch, rows_per_head, cols_per_head,  # the cache descriptors' grid (CacheTileGrid)
+        cache_row_stride, rows_per_batch, rows_per_head, cols_per_head,  # the caches' CacheTileGrid (cols first)
         num_new,  # S_q
         capacity,  # S_max
         num_q_heads,
@@ -260,9 +259,8 @@ if gluon_hopper.HAS_GLUON:
             q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, q_smem, k_tiles, v_tiles, q_ready, ready, empty,
             tail_fixed, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, row_tickets_ptr,
             batch, seq_len_before, seq_len, num_new, capacity, pid_bh * num_new + m0, kv_row * num_new,
-            batch * rows_per_batch + kv_head * rows_per_head, kv_head * cols_per_head,
-            batch.to(gl.int64) * stride_cache_b + kv_head * stride_cache_h, stride_cache_s,
-            m0, num_cache_tiles, num_tiles, num_m_blocks * num_q_heads, head % group == 0, qk_scale,
+            batch * rows_per_batch + kv_head * rows_per_head, kv_head * cols_per_head, cache_row_stride, m0,
+            num_cache_tiles, num_tiles, num_m_blocks * num_q_heads, head % group == 0, qk_scale,
         )  # fmt: skip
         gl.warp_specialize(
             [(_attend_half, (args, 0)), (_attend_half, (args, 1)), (_stream_tiles, (args, 0))],
@@ -290,16 +288,16 @@ def prefill_with_kv_cache(
         return out
     row_tickets = scratch_buffer("row_tickets", batch, torch.int32, query.device)
     num_m_blocks = -(-num_new // BLOCK_M)
-    grid = cache_tile_grid(k_cache)
+    k_cache_desc, grid = cached_tile_descriptor(k_cache, BLOCK_N)
+    v_cache_desc = cached_tile_descriptor(v_cache, BLOCK_N)[0]  # the same grid: supports() checked the strides
     # The cached launch path: through the JIT, a 2k-token call was host-bound (2.4x the kernel; NOTES.md, entry 30).
     _launch_prefill(
         (num_m_blocks, batch * num_q_heads, 1),
         (
             query, key, value, k_cache, v_cache, out, seq_lens, row_tickets,
             tile_descriptor(query, BLOCK_M // 2), tile_descriptor(key, BLOCK_N), tile_descriptor(value, BLOCK_N),
-            cached_tile_descriptor(k_cache, grid, BLOCK_N), cached_tile_descriptor(v_cache, grid, BLOCK_N),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), grid.rows_per_batch, grid.rows_per_head,
-            grid.cols_per_head, num_new, capacity, num_q_heads, num_kv_heads, scale * LOG2_E,
+            k_cache_desc, v_cache_desc, grid.cols, grid.rows_per_batch, grid.rows_per_head, grid.cols_per_head,
+            num_new, capacity, num_q_heads, num_kv_heads, scale * LOG2_E,
         ),
         dict(BLOCK_M=BLOCK_M, NUM_STAGES=NUM_STAGES),
         num_warps=4,
