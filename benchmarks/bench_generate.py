@@ -235,8 +235,10 @@ class Runner:
         model = self.flashcore(variant)
         if mode.startswith("session"):
             return self.session_generate(model, ids, max_new_tokens, compile=mode == "session_compiled")
+        from flashcore.integrations.llama import CACHE_ARGUMENT_NAME
+
         cache = self.flashcore_cache(path, batch)
-        return model.generate(**kwargs, past_key_values=cache, disable_compile=mode == "eager")
+        return model.generate(**kwargs, **{CACHE_ARGUMENT_NAME: cache}, disable_compile=mode == "eager")
 
     def session_generate(self, model, ids: torch.Tensor, max_new_tokens: int, *, compile: bool) -> torch.Tensor:
         """One DecodeSession per (model, batch size, compile), reset between generates: its captured graph is

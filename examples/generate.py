@@ -242,6 +242,8 @@ def render_prompt(tokenizer, session: Session, messages: list[dict[str, str]]) -
 
 def chat_turn(model, tokenizer, session: Session, user_text: str, args: argparse.Namespace) -> None:
     """Answers one user message, streaming to stdout, then prints the turn's ``[stats]`` line to stderr."""
+    from flashcore.integrations.llama import CACHE_ARGUMENT_NAME
+
     messages = [*session.messages, {"role": "user", "content": user_text}]
     prompt, prompt_ids = render_prompt(tokenizer, session, messages)
     if len(prompt_ids) >= args.max_cache_len:
@@ -272,7 +274,7 @@ def chat_turn(model, tokenizer, session: Session, user_text: str, args: argparse
             model.generate(
                 input_ids=input_ids,
                 attention_mask=torch.ones_like(input_ids),
-                past_key_values=session.cache,
+                **{CACHE_ARGUMENT_NAME: session.cache},
                 generation_config=generation_config(args, eos_ids, max_new_tokens),
                 stopping_criteria=StoppingCriteriaList([stop]),
                 streamer=streamer,
@@ -385,6 +387,8 @@ def warm_up(model, tokenizer, session: Session, args: argparse.Namespace) -> Non
     On CUDA the first prefill and decode steps JIT-compile the Triton kernels and generate compiles its decode
     step (FlashCoreCache is compileable); doing that here keeps it out of the first turn's [stats].
     """
+    from flashcore.integrations.llama import CACHE_ARGUMENT_NAME
+
     start = time.perf_counter()
     input_ids = tokenizer("Hello", add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
     config = GenerationConfig(
@@ -393,7 +397,7 @@ def warm_up(model, tokenizer, session: Session, args: argparse.Namespace) -> Non
     model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
-        past_key_values=session.cache,
+        **{CACHE_ARGUMENT_NAME: session.cache},
         generation_config=config,
     )
     session.cache.reset()

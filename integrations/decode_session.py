@@ -26,7 +26,7 @@ import torch
 from flashcore.integrations import fused_projections
 from flashcore.integrations.cache import FlashCoreCache
 from flashcore.integrations.layer_kernels import use_layer_kernels
-from flashcore.integrations.llama import apply_flashcore_to_llama
+from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, apply_flashcore_to_llama
 
 
 class DecodeSession:
@@ -114,7 +114,7 @@ class DecodeSession:
             attention_mask=attention_mask,
             position_ids=positions,
             cache_position=cache_position,
-            past_key_values=self.cache,
+            **{CACHE_ARGUMENT_NAME: self.cache},
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
@@ -156,7 +156,7 @@ class DecodeSession:
             input_ids=token[:, None],
             position_ids=position,
             cache_position=cache_position,
-            past_key_values=self.cache,
+            **{CACHE_ARGUMENT_NAME: self.cache},
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]

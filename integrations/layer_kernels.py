@@ -10,7 +10,8 @@ Only per-instance forwards change: every RMSNorm of the decoder (each layer's tw
 attention and each MLP. The attention and MLP forwards here are also the ones
 :func:`~flashcore.integrations.fused_projections.fuse_projections` installs. They read two per-instance switches:
 ``_fused_projection`` (one GEMM for q/k/v or for gate/up) and ``_uses_layer_kernels``. The attention forward is
-transformers' ``LlamaAttention.forward`` (5.17 to 5.23) with those two switches, calling flashcore's attention
+transformers' ``LlamaAttention.forward`` (5.17 to 5.24; it takes the cache under either keyword, see
+:data:`~flashcore.integrations.llama.CACHE_ARGUMENT_NAME`) with those two switches, calling flashcore's attention
 function directly, which is why both need :func:`~flashcore.integrations.llama.apply_flashcore_to_llama` first.
 
 What inductor still compiles around the kernels (the residual adds) must round as eager does: HF's automatic
@@ -27,7 +28,7 @@ from transformers import CompileConfig
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from flashcore import layer_ops
-from flashcore.integrations.llama import _flashcore_attention
+from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, _flashcore_attention
 
 __all__ = ["remove_layer_kernels", "use_layer_kernels"]
 
@@ -125,9 +126,9 @@ def _attention_forward(
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     attention_mask: torch.Tensor | None = None,
-    past_key_values=None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    cache = kwargs.pop(CACHE_ARGUMENT_NAME, None)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
     fused = self.__dict__.get("_fused_projection")
@@ -141,8 +142,8 @@ def _attention_forward(
         query, key = layer_ops.apply_rotary_embedding(query, key, cos, sin)
     else:
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
-    if past_key_values is not None:
-        key, value = past_key_values.update(key, value, self.layer_idx)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx)
     attention_output, _ = _flashcore_attention(self, query, key, value, attention_mask, scaling=self.scaling, **kwargs)
     return self.o_proj(attention_output.reshape(*input_shape, -1).contiguous()), None
 

@@ -10,7 +10,7 @@ Everything goes through transformers' extension points; no modeling symbol is re
 - a forward pre-hook on the decoder that gives a ``use_cache`` forward without a cache a :class:`FlashCoreCache`
   where transformers would build a ``DynamicCache``;
 - for ``generate``, an instance attribute ``_prepare_cache_for_generation`` that wraps the class method (same
-  signature in transformers 5.17 to 5.23) and swaps the ``DynamicCache``/``StaticCache`` it builds for a
+  signature in transformers 5.17 to 5.24) and swaps the ``DynamicCache``/``StaticCache`` it builds for a
   :class:`FlashCoreCache` of the same capacity. It runs before generate decides to compile the decode step, so
   on CUDA ``generate`` compiles it (``is_compileable``) as it would for a ``StaticCache``.
 
@@ -21,6 +21,7 @@ are scattered back. RoPE is applied by the model from generate's ``position_ids`
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,15 +39,47 @@ if Version(transformers.__version__) < Version(MIN_SUPPORTED_TRANSFORMERS_VERSIO
 
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel, StaticCache  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaModel  # noqa: E402
 
 from flashcore.integrations.cache import FlashCoreCache, check_full_attention_only  # noqa: E402
 from flashcore.ops import BACKENDS, attention_with_kv_cache  # noqa: E402
 
-__all__ = ["ATTENTION_IMPLEMENTATION", "FlashCoreCache", "apply_flashcore_to_llama", "remove_flashcore"]
+__all__ = [
+    "ATTENTION_IMPLEMENTATION",
+    "CACHE_ARGUMENT_NAME",
+    "FlashCoreCache",
+    "apply_flashcore_to_llama",
+    "remove_flashcore",
+]
 
 ATTENTION_IMPLEMENTATION = "fcore_kv"
 """The registered name. transformers treats any name containing "flash" as FlashAttention (and tries to import it),
 and "sdpa"/"flex_attention"/"paged|" or an "org/repo" pattern have meanings of their own, hence no "flashcore"."""
+
+
+def _cache_argument_name() -> str:
+    """The keyword under which this transformers passes the KV cache: ``cache`` from 5.24, ``past_key_values`` before.
+
+    5.24 renamed it everywhere at once: every model's and layer's ``forward`` (``models/llama/modeling_llama.py``),
+    generate's ``model_kwargs`` (``generation/utils.py``) and the output fields (``modeling_outputs.py``; the old
+    name is read through a property of ``ModelOutput`` in ``utils/generic.py``). The old keyword still reaches
+    ``forward`` through ``@deprecate_kwarg``, but a forward pre-hook sees it as the caller spelled it, before that
+    shim renames it.
+    """
+    parameters = inspect.signature(LlamaModel.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise ImportError(
+        f"flashcore.integrations.llama found neither `cache` nor `past_key_values` among LlamaModel.forward's "
+        f"parameters in transformers {transformers.__version__}; install transformers>="
+        f"{MIN_SUPPORTED_TRANSFORMERS_VERSION},<6"
+    )
+
+
+CACHE_ARGUMENT_NAME = _cache_argument_name()
+"""Pass the cache as ``model(..., **{CACHE_ARGUMENT_NAME: cache})`` and read it back with
+``getattr(outputs, CACHE_ARGUMENT_NAME)`` to run on every supported transformers version."""
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 SUPPORTED_GENERATION_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
@@ -69,11 +102,11 @@ def apply_flashcore_to_llama(model: PreTrainedModel, *, backend: str = "auto") -
 
     After the call, ``model.generate(...)`` and ``model(...)`` run prefill and every decode step on
     :func:`flashcore.attention_with_kv_cache` over a :class:`FlashCoreCache`, whether or not the caller passes
-    ``past_key_values=FlashCoreCache(...)``: where transformers would build a ``DynamicCache`` (or a
-    ``StaticCache`` for ``cache_implementation="static"``), a FlashCoreCache of the same capacity is used, at
-    least as large as the one the previous ``generate`` call built, so a compiled decode step is reused
-    (``cache_implementation="static", max_cache_len=N`` sizes it for longer calls up front). Nothing falls back
-    to SDPA: what flashcore cannot run raises.
+    ``cache=FlashCoreCache(...)`` (``past_key_values=`` before transformers 5.24; :data:`CACHE_ARGUMENT_NAME`):
+    where transformers would build a ``DynamicCache`` (or a ``StaticCache`` for ``cache_implementation="static"``),
+    a FlashCoreCache of the same capacity is used, at least as large as the one the previous ``generate`` call
+    built, so a compiled decode step is reused (``cache_implementation="static", max_cache_len=N`` sizes it for
+    longer calls up front). Nothing falls back to SDPA: what flashcore cannot run raises.
 
     Supported: ``LlamaForCausalLM``/``LlamaModel`` and the same attention in Mistral (no sliding window) and
     Qwen2 (full-attention layers); fp16, bf16, fp32; left padding; greedy, sampling and beam search (the cache
@@ -107,13 +140,21 @@ def apply_flashcore_to_llama(model: PreTrainedModel, *, backend: str = "auto") -
     model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
 
     def pass_cache_to_attention(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = kwargs.get(CACHE_ARGUMENT_NAME)
         kwargs["flashcore_cache"] = cache
         kwargs["flashcore_backend"] = cache.backend if getattr(cache, "backend", None) is not None else state.backend
         return args, kwargs
 
     def build_cache_for_forward(module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        if CACHE_ARGUMENT_NAME != "past_key_values" and "past_key_values" in kwargs:
+            # This hook runs before transformers' deprecation shim renames the keyword: it would not see that cache,
+            # build a new one, and the shim would then drop the caller's.
+            raise TypeError(
+                f"{type(module).__name__} takes its cache as {CACHE_ARGUMENT_NAME}= in transformers "
+                f"{transformers.__version__}; past_key_values= is deprecated there, and a model patched by "
+                f"apply_flashcore_to_llama refuses it (the *ForCausalLM model renames it itself)"
+            )
+        cache = kwargs.get(CACHE_ARGUMENT_NAME)
         if cache is not None:
             if not isinstance(cache, FlashCoreCache):
                 raise TypeError(_WRONG_CACHE.format(type(cache).__name__))
@@ -128,7 +169,7 @@ def apply_flashcore_to_llama(model: PreTrainedModel, *, backend: str = "auto") -
             return None  # the model itself reports the missing input
         # What the DynamicCache transformers builds here would hold: exactly these tokens. A continuation needs a
         # FlashCoreCache with room for it, and the cache says so if it is too small.
-        kwargs["past_key_values"] = FlashCoreCache(module.config, max_cache_len=inputs.shape[1])
+        kwargs[CACHE_ARGUMENT_NAME] = FlashCoreCache(module.config, max_cache_len=inputs.shape[1])
         return args, kwargs
 
     for attention in attention_modules:
@@ -158,8 +199,8 @@ def remove_flashcore(model: PreTrainedModel) -> PreTrainedModel:
 
 
 _WRONG_CACHE = (
-    "a model patched by apply_flashcore_to_llama needs past_key_values=FlashCoreCache(model.config, max_cache_len=...) "
-    "or None (generate and forward then build one), got a {}"
+    f"a model patched by apply_flashcore_to_llama needs {CACHE_ARGUMENT_NAME}=FlashCoreCache(model.config, "
+    f"max_cache_len=...) or None (generate and forward then build one), got a {{}}"
 )
 
 
@@ -197,7 +238,7 @@ def _make_prepare_cache_for_generation(model, state: _FlashCoreState):
                 f"{getattr(generation_mode, 'value', generation_mode)!r}, "
                 f"which needs to crop the cache; call remove_flashcore(model) for it"
             )
-        passed = model_kwargs.get("past_key_values")
+        passed = model_kwargs.get(CACHE_ARGUMENT_NAME)
         if passed is not None and not isinstance(passed, FlashCoreCache):
             raise TypeError(_WRONG_CACHE.format(type(passed).__name__))
         # Checked here, once, because generate may compile the decode step, and a compiled step cannot read
@@ -212,7 +253,7 @@ def _make_prepare_cache_for_generation(model, state: _FlashCoreState):
         prepare_cache_for_generation(
             model, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
-        built = model_kwargs.get("past_key_values")
+        built = model_kwargs.get(CACHE_ARGUMENT_NAME)
         if built is None or isinstance(built, FlashCoreCache):
             return
         if type(built) is StaticCache:  # sized by generate, with generation_config.max_cache_len as a floor
@@ -225,7 +266,7 @@ def _make_prepare_cache_for_generation(model, state: _FlashCoreState):
             )
         # Never smaller than last call's: a compiled decode step stays valid (the same rule as StaticCache).
         state.previous_max_cache_len = max(max_cache_length, state.previous_max_cache_len)
-        model_kwargs["past_key_values"] = FlashCoreCache(model.config, max_cache_len=state.previous_max_cache_len)
+        model_kwargs[CACHE_ARGUMENT_NAME] = FlashCoreCache(model.config, max_cache_len=state.previous_max_cache_len)
 
     return prepare_flashcore_cache
 

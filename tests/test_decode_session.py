@@ -9,7 +9,12 @@ from conftest import ON_GPU
 from test_hf_llama import bf16_llama, random_prompts, seed_of, tiny_llama
 
 from flashcore.integrations.decode_session import DecodeSession, chunked_argmax
-from flashcore.integrations.llama import FlashCoreCache, apply_flashcore_to_llama, remove_flashcore
+from flashcore.integrations.llama import (
+    CACHE_ARGUMENT_NAME,
+    FlashCoreCache,
+    apply_flashcore_to_llama,
+    remove_flashcore,
+)
 from flashcore.kernels import warp_specialized_decode
 from flashcore.kernels.gluon_hopper import runs_on
 
@@ -82,7 +87,7 @@ def test_graph_replayed_session_repeats_eager_generate_in_bf16(device, generator
     apply_flashcore_to_llama(model, backend="triton")
     cache = FlashCoreCache(config, max_cache_len, max_batch_size=4, device=device, dtype=torch.bfloat16)
     eager = model.generate(
-        input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=new_tokens,
+        input_ids, attention_mask=attention_mask, **{CACHE_ARGUMENT_NAME: cache}, max_new_tokens=new_tokens,
         do_sample=False, disable_compile=True,
     )[:, input_ids.shape[1] :]  # fmt: skip
 

@@ -13,7 +13,7 @@ from test_hf_llama import PAD_ID, random_prompts, seed_of, tiny_llama, tiny_same
 
 from flashcore.integrations.cache import FlashCoreCache
 from flashcore.integrations.fused_projections import fuse_projections, unfuse_projections
-from flashcore.integrations.llama import apply_flashcore_to_llama, remove_flashcore
+from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, apply_flashcore_to_llama, remove_flashcore
 
 FUSED = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 
@@ -40,12 +40,12 @@ def weight_bytes(model) -> int:
 def prefill_and_decode_logits(model, input_ids, attention_mask, steps: int = 3) -> torch.Tensor:
     """Logits of a left-padded prefill and a few greedy decode steps through one FlashCoreCache."""
     cache = FlashCoreCache(model.config, max_cache_len=input_ids.shape[1] + steps)
-    out = model(input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    out = model(input_ids, attention_mask=attention_mask, **{CACHE_ARGUMENT_NAME: cache}, use_cache=True)
     logits = [out.logits[:, -1]]
     for _ in range(steps):
         next_ids = logits[-1].argmax(dim=-1, keepdim=True)
         attention_mask = torch.cat([attention_mask, torch.ones_like(next_ids)], dim=1)
-        out = model(next_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+        out = model(next_ids, attention_mask=attention_mask, **{CACHE_ARGUMENT_NAME: cache}, use_cache=True)
         logits.append(out.logits[:, -1])
     return torch.stack(logits, dim=1)
 

@@ -24,6 +24,7 @@ import flashcore.kernels.attention
 import flashcore.ops
 from flashcore.integrations.llama import (
     ATTENTION_IMPLEMENTATION,
+    CACHE_ARGUMENT_NAME,
     FlashCoreCache,
     apply_flashcore_to_llama,
     remove_flashcore,
@@ -128,7 +129,7 @@ def test_generate_greedy_matches_stock(model, backend, max_new_tokens, generator
     apply_flashcore_to_llama(model, backend=backend)
     out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
-    cache, fed = out.past_key_values, 11 + max_new_tokens - 1  # the last token is never fed
+    cache, fed = getattr(out, CACHE_ARGUMENT_NAME), 11 + max_new_tokens - 1  # the last token is never fed
     assert isinstance(cache, FlashCoreCache)
     assert cache.max_cache_len == fed
     assert cache.get_kv_cache(1)[2].tolist() == [fed]
@@ -160,13 +161,11 @@ def test_left_padded_batch_matches_stock_and_stores_no_pads(model, backend, gene
     )
     assert torch.equal(ours.sequences, stock.sequences)
     width = max(lengths)
+    our_cache, stock_cache = (getattr(out, CACHE_ARGUMENT_NAME) for out in (ours, stock))
     for layer_idx in range(model.config.num_hidden_layers):
-        k_cache, v_cache, seq_lens = ours.past_key_values.get_kv_cache(layer_idx)
+        k_cache, v_cache, seq_lens = our_cache.get_kv_cache(layer_idx)
         assert seq_lens.tolist() == [length + max_new_tokens - 1 for length in lengths]
-        stock_keys, stock_values = (
-            stock.past_key_values.layers[layer_idx].keys,
-            stock.past_key_values.layers[layer_idx].values,
-        )
+        stock_keys, stock_values = stock_cache.layers[layer_idx].keys, stock_cache.layers[layer_idx].values
         for row, length in enumerate(lengths):
             stored = length + max_new_tokens - 1
             torch.testing.assert_close(k_cache[row, :, :stored], stock_keys[row, :, width - length :])
@@ -194,19 +193,21 @@ def test_multi_turn_prefills_only_new_tokens(model, backend, generator, device, 
     new_tokens = 5
 
     stock_cache = DynamicCache(config=model.config)
-    stock_first = model.generate(first_ids, past_key_values=stock_cache, max_new_tokens=new_tokens, do_sample=False)
+    stock_first = model.generate(
+        first_ids, **{CACHE_ARGUMENT_NAME: stock_cache}, max_new_tokens=new_tokens, do_sample=False
+    )
     stock_second_ids = torch.cat([stock_first, user_turn], dim=1)
     stock_second = model.generate(
-        stock_second_ids, past_key_values=stock_cache, max_new_tokens=new_tokens, do_sample=False
+        stock_second_ids, **{CACHE_ARGUMENT_NAME: stock_cache}, max_new_tokens=new_tokens, do_sample=False
     )
 
     apply_flashcore_to_llama(model, backend=backend)
     cache = FlashCoreCache(model.config, max_cache_len=64)
-    first = model.generate(first_ids, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False)
+    first = model.generate(first_ids, **{CACHE_ARGUMENT_NAME: cache}, max_new_tokens=new_tokens, do_sample=False)
     assert torch.equal(first, stock_first)
     launches.clear()
     second = model.generate(
-        torch.cat([first, user_turn], dim=1), past_key_values=cache, max_new_tokens=new_tokens, do_sample=False
+        torch.cat([first, user_turn], dim=1), **{CACHE_ARGUMENT_NAME: cache}, max_new_tokens=new_tokens, do_sample=False
     )
     assert torch.equal(second, stock_second)
 
@@ -238,14 +239,15 @@ def test_forward_logits_match_stock(model, backend, generator, device):
     expected = model(input_ids, attention_mask=attention_mask, use_cache=False).logits
     apply_flashcore_to_llama(model, backend=backend)
     out = model(input_ids, attention_mask=attention_mask, use_cache=False)
-    assert out.past_key_values is None
+    assert getattr(out, CACHE_ARGUMENT_NAME) is None
     is_real = attention_mask.bool()
     torch.testing.assert_close(out.logits[is_real], expected[is_real], atol=1e-4, rtol=0)
 
     cached = model(input_ids, attention_mask=attention_mask)
     torch.testing.assert_close(cached.logits[is_real], expected[is_real], atol=1e-4, rtol=0)
-    assert isinstance(cached.past_key_values, FlashCoreCache)
-    assert cached.past_key_values.get_kv_cache(0)[2].tolist() == lengths
+    cache = getattr(cached, CACHE_ARGUMENT_NAME)
+    assert isinstance(cache, FlashCoreCache)
+    assert cache.get_kv_cache(0)[2].tolist() == lengths
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -254,13 +256,13 @@ def test_full_cache_raises_before_writing(model, backend, generator, device):
     apply_flashcore_to_llama(model, backend=backend)
     cache = FlashCoreCache(model.config, max_cache_len=10)
     prompt, _ = random_prompts([8], generator, device)
-    model(prompt, past_key_values=cache)
+    model(prompt, **{CACHE_ARGUMENT_NAME: cache})
     before = [tuple(t.clone() for t in cache.get_kv_cache(i)) for i in range(len(cache.layers))]
     logical_before = int(cache.get_seq_length())
 
     too_long, _ = random_prompts([3], generator, device)
     with pytest.raises(ValueError, match=r"max_cache_len=10.*FlashCoreCache\(model.config, max_cache_len=11\)"):
-        model(too_long, past_key_values=cache)
+        model(too_long, **{CACHE_ARGUMENT_NAME: cache})
     for layer_idx, tensors in enumerate(before):
         for expected, actual in zip(tensors, cache.get_kv_cache(layer_idx), strict=True):
             # Bitwise, garbage slots included: torch.empty memory may hold NaN patterns, which == would reject.
@@ -268,14 +270,16 @@ def test_full_cache_raises_before_writing(model, backend, generator, device):
     assert int(cache.get_seq_length()) == logical_before
 
     with pytest.raises(ValueError, match="max_cache_len"):
-        model.generate(too_long, past_key_values=FlashCoreCache(model.config, max_cache_len=4), max_new_tokens=3)
+        model.generate(
+            too_long, **{CACHE_ARGUMENT_NAME: FlashCoreCache(model.config, max_cache_len=4)}, max_new_tokens=3
+        )
 
     exactly_full, _ = random_prompts([2], generator, device)  # positive control: 8 + 2 == max_cache_len
-    model(exactly_full, past_key_values=cache)
+    model(exactly_full, **{CACHE_ARGUMENT_NAME: cache})
     assert cache.get_kv_cache(0)[2].tolist() == [10]
 
     cache.reset()  # empties the rows in place: the whole capacity is usable again
-    model(torch.cat([prompt, exactly_full], dim=1), past_key_values=cache)
+    model(torch.cat([prompt, exactly_full], dim=1), **{CACHE_ARGUMENT_NAME: cache})
     assert cache.get_kv_cache(1)[2].tolist() == [10]
     assert int(cache.get_seq_length()) == 10
 
@@ -328,7 +332,10 @@ def test_compiled_decode_step_has_one_graph(model, backend, generator, device):
 
     def decode_step(input_ids, position_ids, attention_mask, cache):
         return model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, past_key_values=cache
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            **{CACHE_ARGUMENT_NAME: cache},
         ).logits
 
     counters = _counting_graphs()
@@ -337,8 +344,8 @@ def test_compiled_decode_step_has_one_graph(model, backend, generator, device):
     for _ in range(2):
         input_ids, _ = random_prompts([prompt_len] * batch, generator, device)
         cache, eager_cache = (FlashCoreCache(model.config, max_cache_len=16) for _ in range(2))
-        token = model(input_ids, past_key_values=cache).logits[:, -1:].argmax(-1)
-        model(input_ids, past_key_values=eager_cache)
+        token = model(input_ids, **{CACHE_ARGUMENT_NAME: cache}).logits[:, -1:].argmax(-1)
+        model(input_ids, **{CACHE_ARGUMENT_NAME: eager_cache})
         for step in range(3):
             position_ids = torch.full((batch, 1), prompt_len + step, device=device)
             real = torch.ones((batch, 1), dtype=torch.long, device=device)  # what generate passes: new tokens only
@@ -392,7 +399,7 @@ def test_apply_is_idempotent_and_remove_restores_stock(model, generator, device)
     assert "_prepare_cache_for_generation" not in model.__dict__
     out = model.generate(input_ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected.sequences)
-    assert type(out.past_key_values) is DynamicCache
+    assert type(getattr(out, CACHE_ARGUMENT_NAME)) is DynamicCache
     assert remove_flashcore(model) is model  # removing twice is a no-op
 
 
@@ -403,9 +410,9 @@ def test_refuses_what_it_cannot_run(model, generator, device):
     input_ids, _ = random_prompts([5], generator, device)
     apply_flashcore_to_llama(model, backend="torch")
     with pytest.raises(TypeError, match="FlashCoreCache"):
-        model.generate(input_ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=2)
+        model.generate(input_ids, **{CACHE_ARGUMENT_NAME: DynamicCache(config=model.config)}, max_new_tokens=2)
     with pytest.raises(TypeError, match="FlashCoreCache"):
-        model(input_ids, past_key_values=DynamicCache(config=model.config))
+        model(input_ids, **{CACHE_ARGUMENT_NAME: DynamicCache(config=model.config)})
     with pytest.raises(NotImplementedError, match="inference-only"), torch.enable_grad():
         model(input_ids, use_cache=False)
     with pytest.raises(ValueError, match="backend"):
@@ -449,6 +456,23 @@ def tiny_same_attention_model(architecture: str, seed: int, device):
     )
     torch.manual_seed(seed)
     return model_class(config).to(device).eval()
+
+
+@pytest.mark.skipif(
+    CACHE_ARGUMENT_NAME == "past_key_values", reason="before transformers 5.24 past_key_values is the current name"
+)
+@torch.no_grad()
+def test_decoder_refuses_deprecated_cache_name(model, generator, device):
+    """The decoder's pre-hook runs before transformers' deprecation shim renames past_key_values= to cache=, so it
+    would miss that cache and the shim would then drop it for the one the hook built; the hook refuses it instead."""
+    apply_flashcore_to_llama(model, backend="torch")
+    input_ids, _ = random_prompts([5], generator, device)
+    cache = FlashCoreCache(model.config, max_cache_len=8)
+    with pytest.raises(TypeError, match="cache="):
+        model.model(input_ids, past_key_values=cache)
+    assert not cache.is_initialized
+    model.model(input_ids, cache=cache)  # positive control: the current name
+    assert cache.get_kv_cache(0)[2].tolist() == [5]
 
 
 @pytest.mark.parametrize("architecture", ["qwen2", "mistral"])
@@ -546,7 +570,7 @@ def test_auto_compile_matches_eager_on_gpu(backend, generator, request):
     for mode in ("eager", "compiled"):
         cache = FlashCoreCache(model.config, max_cache_len=9 + 24)
         outputs[mode] = model.generate(
-            prompts, attention_mask=mask, past_key_values=cache, max_new_tokens=24, do_sample=False,
+            prompts, attention_mask=mask, **{CACHE_ARGUMENT_NAME: cache}, max_new_tokens=24, do_sample=False,
             disable_compile=(mode == "eager"),
         )  # fmt: skip
     remove_flashcore(model)

@@ -19,7 +19,12 @@ from flashcore import layer_ops
 from flashcore.integrations.decode_session import DecodeSession
 from flashcore.integrations.fused_projections import fuse_projections
 from flashcore.integrations.layer_kernels import remove_layer_kernels, use_layer_kernels
-from flashcore.integrations.llama import FlashCoreCache, apply_flashcore_to_llama, remove_flashcore
+from flashcore.integrations.llama import (
+    CACHE_ARGUMENT_NAME,
+    FlashCoreCache,
+    apply_flashcore_to_llama,
+    remove_flashcore,
+)
 from flashcore.kernels import pointwise
 
 
@@ -224,7 +229,7 @@ def test_bf16_tokens_equal_eagerly_replayed_and_compiled(device, generator, requ
     def generate(disable_compile):
         cache = FlashCoreCache(config, max_cache_len, max_batch_size=4, device=device, dtype=torch.bfloat16)
         out = model.generate(
-            input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=new_tokens,
+            input_ids, attention_mask=attention_mask, **{CACHE_ARGUMENT_NAME: cache}, max_new_tokens=new_tokens,
             do_sample=False, disable_compile=disable_compile,
         )  # fmt: skip
         return out[:, input_ids.shape[1] :]
