@@ -70,8 +70,10 @@ def attention_with_kv_cache(
         value: ``[B, H_kv, S_q, D]``, the new tokens' values. Any strides.
         past_key_value: ``(k_cache [B, H_kv, S_max, D], v_cache [B, H_kv, S_max, D], seq_lens [B])``, with
             K and V of the query's dtype and ``seq_lens`` ``torch.int32`` (never converted: a converted copy
-            would lose the in-place update). K and V may have any strides; ``seq_lens`` must be contiguous.
-            None allocates a fresh cache of ``cache_max_len`` tokens (see :func:`flashcore.allocate_kv_cache`).
+            would lose the in-place update). K and V may have any strides (the layout
+            :func:`flashcore.allocate_kv_cache` gives is the one the H100 kernels stream fastest); ``seq_lens``
+            must be contiguous. None allocates a fresh cache of ``cache_max_len`` tokens (see
+            :func:`flashcore.allocate_kv_cache`).
         is_causal: bottom-right causal masking (see above). False lets every new token see all
             ``L_b + n_b`` tokens.
         scale: softmax scale; None means ``1 / sqrt(D)``.
