@@ -112,27 +112,17 @@ def cache_tile_grid(cache: torch.Tensor) -> CacheTileGrid | None:
     transposed to that shape (each token's heads together), which is how :func:`flashcore.allocate_kv_cache`
     allocates it. Cached per shape and strides: ops asks on every call (host time).
     """
-    return _cache_tile_grid(cache.shape, cache.stride())
+    return _cache_tile_grid(cache.shape, cache.stride(), cache.is_contiguous())
 
 
 @functools.cache
-def _cache_tile_grid(shape: torch.Size, strides: tuple[int, ...]) -> CacheTileGrid | None:
+def _cache_tile_grid(shape: torch.Size, strides: tuple[int, ...], is_contiguous: bool) -> CacheTileGrid | None:
     batch, heads, capacity, head_dim = shape
-    if _is_contiguous(shape, strides):
+    if is_contiguous:
         return CacheTileGrid(batch * heads * capacity, head_dim, heads * capacity, capacity, 0)
     if strides == (capacity * heads * head_dim, head_dim, heads * head_dim, 1):
         return CacheTileGrid(batch * capacity, heads * head_dim, capacity, 0, head_dim)
     return None
-
-
-def _is_contiguous(shape: torch.Size, strides: tuple[int, ...]) -> bool:
-    """torch's rule, which ignores the stride of a dimension of size 1."""
-    expected = 1
-    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 MAX_CACHED_DESCRIPTORS = 1024  # two per layer of each live cache; a new allocation adds one
