@@ -1,10 +1,12 @@
-"""Draws the benchmark figures from result JSON files alone: no GPU, no re-measuring.
+"""Draws the benchmark figures, and writes the README's tables, from result JSON files alone: no GPU, no
+re-measuring.
 
-The README's PNGs come from the committed files in ``benchmarks/results/``; the benchmark scripts call the same
-functions right after a run.
+The README's PNGs and tables come from the committed files in ``benchmarks/results/``: with no file arguments,
+this script redraws every ``bench_*.json`` there and rewrites README.md's generated tables
+(:mod:`readme_tables`). The benchmark scripts call the plotting functions right after a run.
 
-    python benchmarks/plot.py                                   # every benchmarks/results/bench_*.json
-    python benchmarks/plot.py RUN/bench_attention.json --out-dir DIR
+    python benchmarks/plot.py                                   # every benchmarks/results/bench_*.json + README
+    python benchmarks/plot.py RUN/bench_attention.json --out-dir DIR   # figures only
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+import readme_tables
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -32,11 +36,15 @@ def _subtitle(payload: dict) -> str:
     return f"{env.get('gpu') or env.get('device')}, {str(env.get('date', ''))[:10]}, commit {commit}{note}"
 
 
-def _bars(ax, labels: list[str], series: dict[str, list], ylabel: str) -> None:
+def _bars(ax, labels: list[str], series: dict[str, list], ylabel: str, hatched: dict[str, list] | None = None) -> None:
+    """One group of bars per label; ``hatched[name][i]`` hatches a bar (a value from a second run)."""
     width = 0.8 / max(1, len(series))
     for i, (name, values) in enumerate(series.items()):
         xs = [x + (i - (len(series) - 1) / 2) * width for x in range(len(labels))]
-        ax.bar(xs, [v if v is not None else 0.0 for v in values], width, label=name)
+        bars = ax.bar(xs, [v if v is not None else 0.0 for v in values], width, label=name)
+        for bar, is_hatched in zip(bars, (hatched or {}).get(name, []), strict=False):
+            if is_hatched:
+                bar.set_hatch("//")
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel(ylabel)
@@ -92,25 +100,33 @@ def plot_attention(payload: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_generate(payload: dict, path: Path) -> None:
-    """End to end: tok/s per path and batch size, and model-bandwidth utilisation."""
+def plot_generate(payload: dict, path: Path, second_run: dict | None = None) -> None:
+    """End to end: tok/s per path and batch size, and model-bandwidth utilisation.
+
+    Cells the run skipped (its time budget ran out) are taken from ``second_run`` where it has them, hatched.
+    """
     plt = _pyplot()
-    rows = [r for r in payload["rows"] if r.get("status") == "ok"]
     paths = list(dict.fromkeys(r["path"] for r in payload["rows"]))
     batches = sorted({r["B"] for r in payload["rows"]})
-    by_key = {(r["path"], r["B"]): r for r in rows}
+    by_key = {(r["path"], r["B"]): r for r in payload["rows"] if r.get("status") == "ok"}
+    extra = {(r["path"], r["B"]): r for r in (second_run or {}).get("rows", []) if r.get("status") == "ok"}
+    from_extra = {key: row for key, row in extra.items() if key not in by_key}
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, key, ylabel, title in (
         (axes[0], "tok_per_s", "tokens / s", "HF generate throughput (prompt + decode)"),
         (axes[1], "bandwidth_util_pct", "% of 3.0 TB/s", "Model-bandwidth utilisation, decode steps"),
     ):
-        series = {f"B={b}": [by_key.get((p, b), {}).get(key) for p in paths] for b in batches}
-        _bars(ax, paths, series, ylabel)
+        series = {f"B={b}": [{**from_extra, **by_key}.get((p, b), {}).get(key) for p in paths] for b in batches}
+        hatched = {f"B={b}": [(p, b) in from_extra for p in paths] for b in batches}
+        _bars(ax, paths, series, ylabel, hatched)
         ax.set_title(title)
         ax.legend(fontsize=8)
         if key == "tok_per_s":
             ax.set_yscale("log")
-    fig.suptitle(f"Llama-3.2-1B-shaped random model, bf16 - {_subtitle(payload)}", fontsize=10)
+    title = f"Llama-3.2-1B-shaped random model, bf16 - {_subtitle(payload)}"
+    if from_extra:
+        title += f"\nhatched: skipped in that run, from a second run ({_subtitle(second_run)})"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -125,7 +141,11 @@ def plot_file(json_path: Path, out_dir: Path | None = None) -> Path:
     if plotter is None:
         raise ValueError(f"{json_path}: unknown benchmark {payload.get('benchmark')!r}; known: {sorted(PLOTTERS)}")
     png_path = (out_dir or json_path.parent) / (json_path.stem + ".png")
-    plotter(payload, png_path)
+    second_run = json_path.parent / readme_tables.GENERATE_SECOND_RUN
+    if json_path.name == "bench_generate.json" and second_run.exists():
+        plotter(payload, png_path, json.loads(second_run.read_text()))
+    else:
+        plotter(payload, png_path)
     return png_path
 
 
@@ -133,6 +153,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="*", type=Path, help="result JSON files (default: benchmarks/results/)")
     parser.add_argument("--out-dir", type=Path, help="where to write the PNGs (default: beside each JSON)")
+    parser.add_argument(
+        "--no-readme",
+        action="store_true",
+        help="do not rewrite README.md's generated tables (they are rewritten only when no files are given)",
+    )
     args = parser.parse_args(argv)
     files = args.files or sorted(RESULTS_DIR.glob("bench_*.json"))
     if not files:
@@ -141,6 +166,9 @@ def main(argv=None) -> None:
         args.out_dir.mkdir(parents=True, exist_ok=True)
     for json_path in files:
         print(f"{json_path} -> {plot_file(json_path, args.out_dir)}")
+    if not args.files and not args.no_readme:
+        names = readme_tables.update_readme()
+        print(f"{readme_tables.README_PATH}: rewrote the {', '.join(names)} tables")
 
 
 if __name__ == "__main__":
