@@ -337,19 +337,18 @@ def decode_row(ctx: Context, row: dict) -> None:
     add_rates(row, ctx, nbytes=decode_bytes(batch, num_q_heads, num_kv_heads, cache_len, head_dim))
 
 
-def planned_kv_splits(ctx: Context, group: int, batch: int, num_kv_heads: int, s_max: int, head_dim: int):
-    """The split count flashcore's launcher picks for a decode call (context for the table; None if the
-    kernel's config API has moved). On an sm_90 GPU the Gluon decode kernel takes these bf16 rows."""
-    try:
-        from flashcore.kernels import gluon_hopper, warp_specialized_decode
-        from flashcore.kernels.attention import _launch_plan
+def planned_kv_splits(ctx: Context, group: int, batch: int, num_kv_heads: int, s_max: int, head_dim: int) -> int:
+    """The split count flashcore's launcher picks for a decode call (context for the table). On an sm_90 GPU the
+    Gluon decode kernel takes these bf16 rows."""
+    from flashcore.kernels import configs
+    from flashcore.kernels.gluon_sm90 import common as gluon_common
+    from flashcore.kernels.gluon_sm90 import decode as gluon_decode
+    from flashcore.kernels.triton import attention as triton_attention
 
-        if gluon_hopper.runs_on(ctx.device) and head_dim in warp_specialized_decode.HEAD_DIMS:
-            plan = warp_specialized_decode._launch_plan(batch * num_kv_heads, s_max, group, head_dim, ctx.device)
-            return plan[1]
-        return _launch_plan(group, head_dim, batch * num_kv_heads, s_max, ELEM_BYTES, ctx.device).num_splits
-    except Exception:  # noqa: BLE001
-        return None
+    if gluon_common.runs_on(ctx.device) and head_dim in configs.GLUON_DECODE.head_dims:
+        return gluon_decode._launch_plan(batch * num_kv_heads, s_max, group, head_dim, ctx.device)[1]
+    plan = triton_attention._launch_plan(group, head_dim, batch * num_kv_heads, s_max, ELEM_BYTES, ctx.device)
+    return plan.num_splits
 
 
 def prefill_row(ctx: Context, row: dict) -> None:

@@ -6,8 +6,8 @@ PyTorch ops give the same bits, but inductor fuses HF's RMSNorm, RoPE and SwiGLU
 bf16 roundings and with its own summation order, so a compiled bf16 model picks other tokens at the first near-tie
 (``benchmarks/NOTES.md``, entry 8). These ops run one Triton kernel each on every path (inductor sees an opaque
 ``torch.library`` op), so a model that uses them computes the same bits eagerly, replayed and compiled. They round
-where HF's eager code rounds (``flashcore/kernels/pointwise.py``). :func:`~flashcore.integrations.layer_kernels.
-use_layer_kernels` puts them in a patched model.
+where HF's eager code rounds (``flashcore/kernels/triton/layer_kernels.py``).
+``apply_flashcore_to_llama(model, layer_kernels=True)`` puts them in a patched model.
 
 Like :func:`flashcore.attention_with_kv_cache` they run on CUDA tensors, or on CPU tensors under
 ``TRITON_INTERPRET=1``; anything else raises, nothing falls back to PyTorch. Validation reads only shapes, dtypes
@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from flashcore.kernels import pointwise
-from flashcore.ops import _triton_interpreter_enabled
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from flashcore.backends import SUPPORTED_DTYPES, triton_interpreter_enabled
+from flashcore.kernels.triton import layer_kernels
 
 __all__ = ["apply_rotary_embedding", "rms_norm", "silu_and_mul"]
 
@@ -42,8 +40,8 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     if weight.shape != (hidden,):
         raise ValueError(f"weight must be [hidden] = [{hidden}] to match hidden_states, got {tuple(weight.shape)}")
     _check_like(hidden_states, "hidden_states", weight=weight)
-    if hidden > pointwise.MAX_NORM_WIDTH:
-        limit = pointwise.MAX_NORM_WIDTH
+    if hidden > layer_kernels.MAX_NORM_WIDTH:
+        limit = layer_kernels.MAX_NORM_WIDTH
         raise ValueError(f"rms_norm holds a row in registers: hidden must be <= {limit}, got {hidden}")
     if not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}")
@@ -51,7 +49,7 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     if torch.compiler.is_compiling():
         out = torch.ops.flashcore.rms_norm(rows, weight, float(eps))
     else:
-        out = pointwise.rms_norm_triton(rows, weight, float(eps))
+        out = layer_kernels.rms_norm_triton(rows, weight, float(eps))
     return out.view(hidden_states.shape)
 
 
@@ -75,7 +73,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling():
         out = torch.ops.flashcore.silu_and_mul(gate_rows, up_rows)
     else:
-        out = pointwise.silu_and_mul_triton(gate_rows, up_rows)
+        out = layer_kernels.silu_and_mul_triton(gate_rows, up_rows)
     return out.view(gate.shape)
 
 
@@ -117,14 +115,14 @@ def apply_rotary_embedding(
     if torch.compiler.is_compiling():
         rotated = torch.ops.flashcore.apply_rotary_embedding(query, key, cos, sin)
     else:
-        rotated = pointwise.rotary_embedding_triton(query, key, cos, sin)
+        rotated = layer_kernels.rotary_embedding_triton(query, key, cos, sin)
     return rotated[0], rotated[1]
 
 
 def _check_runs(tensor: torch.Tensor, name: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if not (tensor.is_cuda or _triton_interpreter_enabled()):
+    if not (tensor.is_cuda or triton_interpreter_enabled()):
         raise NotImplementedError(
             f"flashcore's layer kernels run on CUDA tensors, or on the CPU with TRITON_INTERPRET=1 set before triton "
             f"is imported; {name} is on {tensor.device}. Keep the model's own layers on the CPU (remove_layer_kernels)"
@@ -150,7 +148,7 @@ def _check_like(reference: torch.Tensor, reference_name: str, **tensors: torch.T
 
 @torch.library.custom_op("flashcore::rms_norm", mutates_args=())
 def _rms_norm_op(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return pointwise.rms_norm_triton(rows, weight, eps)
+    return layer_kernels.rms_norm_triton(rows, weight, eps)
 
 
 @_rms_norm_op.register_fake
@@ -160,7 +158,7 @@ def _(rows, weight, eps):
 
 @torch.library.custom_op("flashcore::silu_and_mul", mutates_args=())
 def _silu_and_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return pointwise.silu_and_mul_triton(gate, up)
+    return layer_kernels.silu_and_mul_triton(gate, up)
 
 
 @_silu_and_mul_op.register_fake
@@ -172,7 +170,7 @@ def _(gate, up):
 def _rotary_embedding_op(
     query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return pointwise.rotary_embedding_triton(query, key, cos, sin)
+    return layer_kernels.rotary_embedding_triton(query, key, cos, sin)
 
 
 @_rotary_embedding_op.register_fake

@@ -7,16 +7,13 @@ links to its docstring rather than restating the cache rules.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from flashcore.backends import SUPPORTED_DTYPES, is_capturing_or_tracing, resolve_backend
 from flashcore.cache import SEQ_LENS_DTYPE, KVCache, allocate_kv_cache
-from flashcore.reference import attention_with_kv_cache_torch
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
-BACKENDS = ("auto", "triton", "torch")
 
 
 def attention_with_kv_cache(
@@ -83,11 +80,11 @@ def attention_with_kv_cache(
         cache_max_len: only with ``past_key_value=None``: the capacity ``S_max`` of the new cache.
         backend: ``"triton"`` (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``), ``"torch"``
             (plain PyTorch, any device), or ``"auto"``: triton on CUDA or under the interpreter, torch
-            otherwise. Nothing ever falls back silently from one backend to the other. Within triton, on an
-            sm_90 GPU a decode call runs a warp-specialised Gluon kernel where it can
-            (``flashcore.kernels.warp_specialized_decode.supports``; same contract, a faster K/V stream), eager
-            or captured into a CUDA graph: both give the same bits. A causal chunk of 128 or more new tokens
-            per row runs the Gluon prefill kernel where it can (``warp_specialized_prefill.supports``).
+            otherwise. Nothing ever falls back silently from one backend to the other. Within a backend, the
+            first kernel of ``flashcore.kernels.ATTENTION_KERNELS[backend]`` that supports the call runs it
+            (on an sm_90 GPU, warp-specialised Gluon kernels take decode and long causal prefill calls; the
+            portable Triton kernel takes the rest), eagerly and under CUDA-graph capture alike, so a replayed
+            step gives the eager step's bits. The table and its rules: :mod:`flashcore.kernels`.
         check: run the value checks (capacity, negative lengths), which read ``seq_lens`` on the host once
             (one batched reduction, one sync). None means: check, unless the current CUDA stream is being
             captured into a graph or ``torch.compile`` is tracing. With ``check=False`` the kernel still
@@ -111,10 +108,10 @@ def attention_with_kv_cache(
     elif cache_max_len is not None:
         raise ValueError("cache_max_len is only used when past_key_value is None; the passed cache already fixes S_max")
     k_cache, v_cache, seq_lens = past_key_value
-    resolved_backend = _resolve_backend(backend, query)
+    resolved_backend = resolve_backend(backend, query)
     _validate_metadata(query, key, value, k_cache, v_cache, seq_lens, query_lens, scale, sliding_window)
     if check is None:
-        check = not _is_capturing_or_tracing()
+        check = not is_capturing_or_tracing()
     if check:
         _validate_lengths(seq_lens, query_lens, query.shape[2], k_cache.shape[2])
 
@@ -167,22 +164,15 @@ def _(query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scal
 def _attention_with_kv_cache_impl(
     query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window, backend
 ) -> torch.Tensor:
-    if backend == "torch":
-        run = attention_with_kv_cache_torch
-    else:
-        from flashcore.kernels import attention, warp_specialized_decode, warp_specialized_prefill
+    # Imported on first use: the kernels import triton, which a torch-backend user on the CPU need not pay for
+    # at import time. Eagerly and under capture alike the same table decides, so that a graph-replayed decode step
+    # computes what an eager one does.
+    from flashcore import kernels
 
-        # Eagerly and under capture alike, so that a graph-replayed decode step computes what an eager one does.
-        if warp_specialized_decode.supports(query, key, value, k_cache, v_cache, query_lens, sliding_window):
-            return warp_specialized_decode.decode_with_kv_cache(
-                query, key, value, k_cache, v_cache, seq_lens, query_lens, scale
-            )
-        if warp_specialized_prefill.supports(
-            query, key, value, k_cache, v_cache, query_lens, is_causal, sliding_window
-        ):
-            return warp_specialized_prefill.prefill_with_kv_cache(query, key, value, k_cache, v_cache, seq_lens, scale)
-        run = attention.attention_with_kv_cache_triton
-    return run(query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window)
+    call = kernels.KernelCall(
+        query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window
+    )
+    return kernels.select_kernel(call, backend).run(call)
 
 
 def _allocate_for_call(query: torch.Tensor, key: torch.Tensor, cache_max_len: int | None) -> KVCache:
@@ -195,30 +185,6 @@ def _allocate_for_call(query: torch.Tensor, key: torch.Tensor, cache_max_len: in
         raise ValueError(f"key must be [B, H_kv, S_q, D], got shape {tuple(key.shape)}")
     batch_size, num_kv_heads, _, head_dim = key.shape
     return allocate_kv_cache(batch_size, num_kv_heads, cache_max_len, head_dim, dtype=query.dtype, device=query.device)
-
-
-def _triton_interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _resolve_backend(backend: str, query: torch.Tensor) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    runs_triton = query.is_cuda or _triton_interpreter_enabled()
-    if backend == "auto":
-        return "triton" if runs_triton else "torch"
-    if backend == "triton" and not runs_triton:
-        raise NotImplementedError(
-            f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported to run "
-            f"the kernels on the CPU; got tensors on {query.device}. Use backend='torch' (or 'auto') on the CPU."
-        )
-    return backend
-
-
-def _is_capturing_or_tracing() -> bool:
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _validate_metadata(query, key, value, k_cache, v_cache, seq_lens, query_lens, scale, sliding_window):

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import torch
 
+from flashcore.kernels.call import KernelCall
 
-def attention_with_kv_cache_torch(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_lens: torch.Tensor | None,
-    is_causal: bool,
-    scale: float,
-    sliding_window: int,
-) -> torch.Tensor:
-    """Same arguments and contract as :func:`flashcore.ops.attention_with_kv_cache` (validated already)."""
+NAME = "torch.reference"
+
+
+def supports(call: KernelCall) -> bool:
+    """Every validated call, on any device."""
+    return True
+
+
+def run(call: KernelCall) -> torch.Tensor:
+    """The contract of :func:`flashcore.ops.attention_with_kv_cache`, for a validated call."""
+    query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window = call
     batch, num_q_heads, num_new, head_dim = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     if num_new == 0:

@@ -57,3 +57,21 @@ def randn(shape, *, generator: torch.Generator, dtype: torch.dtype, device) -> t
 def poison_(tensor: torch.Tensor) -> torch.Tensor:
     """Fills a tensor with NaN in place: a slot that should never be read, or never left unwritten."""
     return tensor.fill_(float("nan"))
+
+
+@pytest.fixture
+def kernels_run(monkeypatch) -> list[str]:
+    """The ``NAME`` of every attention kernel ops dispatches to, in call order (``flashcore.kernels.select_kernel``
+    is wrapped, so the real kernel still runs)."""
+    import flashcore.kernels
+
+    names: list[str] = []
+    select_kernel = flashcore.kernels.select_kernel
+
+    def recording_select_kernel(call, backend):
+        kernel = select_kernel(call, backend)
+        names.append(kernel.NAME)
+        return kernel
+
+    monkeypatch.setattr(flashcore.kernels, "select_kernel", recording_select_kernel)
+    return names

@@ -18,9 +18,10 @@ from conftest import DTYPES, TOLERANCES, poison_, randn
 from oracle import CallInputs, check_call, make_call_inputs
 
 import flashcore
-import flashcore.kernels.attention as triton_attention
-import flashcore.ops
+import flashcore.backends
 from flashcore.kernels.configs import NEW_TOKENS_TILE, num_sms
+from flashcore.kernels.triton import attention as triton_attention
+from flashcore.kernels.triton import split_merge
 
 BACKENDS = ["torch", "triton"]
 # The triton backend merges a split prefix either in the attention launch (eager) or in a second launch
@@ -38,7 +39,7 @@ def split_merge_placement(monkeypatch):
 
     def force(merges_in_launch: bool | None) -> None:
         if merges_in_launch is not None:
-            monkeypatch.setattr(triton_attention, "merges_in_attention_launch", lambda device: merges_in_launch)
+            monkeypatch.setattr(split_merge, "merges_in_attention_launch", lambda device: merges_in_launch)
 
     return force
 
@@ -547,28 +548,12 @@ def test_non_contiguous_inputs_and_cache(backend, num_new, strided, device, gene
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
-def test_backend_dispatch(backend, device, generator, monkeypatch):
+def test_backend_dispatch(backend, device, generator, kernels_run):
     """With "auto", triton runs on CUDA or under TRITON_INTERPRET=1 and torch otherwise; an explicit choice
     is kept."""
-    calls = []
-
-    def spy(name, run):
-        def wrapped(*args):
-            calls.append(name)
-            return run(*args)
-
-        return wrapped
-
-    monkeypatch.setattr(
-        flashcore.ops, "attention_with_kv_cache_torch", spy("torch", flashcore.ops.attention_with_kv_cache_torch)
-    )
-    monkeypatch.setattr(
-        triton_attention,
-        "attention_with_kv_cache_triton",
-        spy("triton", triton_attention.attention_with_kv_cache_triton),
-    )
-    runs_triton = device.type == "cuda" or flashcore.ops._triton_interpreter_enabled()
+    runs_triton = device.type == "cuda" or flashcore.backends.triton_interpreter_enabled()
     expected = {"auto": "triton" if runs_triton else "torch", "torch": "torch", "triton": "triton"}[backend]
+    expected = {"torch": "torch.reference", "triton": triton_attention.NAME}[expected]
 
     dtype = DTYPES[0]
     inputs = make_call_inputs(
@@ -587,21 +572,13 @@ def test_backend_dispatch(backend, device, generator, monkeypatch):
     out, returned = flashcore.attention_with_kv_cache(
         inputs.query, inputs.key, inputs.value, inputs.cache, backend=backend
     )
-    assert calls == [expected]
+    assert kernels_run == [expected]
     check_call(inputs, out, returned, atol=TOLERANCES[dtype], is_causal=True)
 
 
-def test_auto_picks_torch_without_interpreter(monkeypatch, generator):
+def test_auto_picks_torch_without_interpreter(monkeypatch, generator, kernels_run):
     """On CPU tensors without TRITON_INTERPRET=1, "auto" is the torch backend and it works."""
-    monkeypatch.setattr(flashcore.ops, "_triton_interpreter_enabled", lambda: False)
-    calls = []
-    run_torch = flashcore.ops.attention_with_kv_cache_torch
-
-    def spy(*args):
-        calls.append("torch")
-        return run_torch(*args)
-
-    monkeypatch.setattr(flashcore.ops, "attention_with_kv_cache_torch", spy)
+    monkeypatch.setattr(flashcore.backends, "triton_interpreter_enabled", lambda: False)
     inputs = make_call_inputs(
         randn,
         generator=generator,
@@ -616,5 +593,5 @@ def test_auto_picks_torch_without_interpreter(monkeypatch, generator):
         query_lens=[2],
     )
     out, returned = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
-    assert calls == ["torch"]
+    assert kernels_run == ["torch.reference"]
     check_call(inputs, out, returned, atol=TOLERANCES[torch.float32], is_causal=True)

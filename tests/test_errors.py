@@ -13,6 +13,7 @@ from conftest import DTYPES, TOLERANCES, randn
 from oracle import attention_oracle
 
 import flashcore
+import flashcore.backends
 import flashcore.ops
 
 BACKENDS = ["torch", "triton"]
@@ -261,7 +262,7 @@ def test_unknown_backend(device, generator):
 
 def test_triton_on_cpu_without_interpreter(monkeypatch, generator):
     """CPU tensors and no TRITON_INTERPRET=1: an explicit error, never a silent run on the torch backend."""
-    monkeypatch.setattr(flashcore.ops, "_triton_interpreter_enabled", lambda: False)
+    monkeypatch.setattr(flashcore.backends, "triton_interpreter_enabled", lambda: False)
     query, key, value, cache = _inputs(generator, torch.device("cpu"))
     _raises_and_writes_nothing(
         NotImplementedError, r"backend='triton' needs CUDA tensors", query, key, value, cache, backend="triton"

@@ -10,9 +10,9 @@ from conftest import TOLERANCES, randn
 from oracle import check_call, make_call_inputs
 
 import flashcore
-import flashcore.kernels.attention as triton_attention
-from flashcore.kernels.attention import _attention_with_kv_cache_kernel
 from flashcore.kernels.launch import CachedLauncher, TensorDescriptor, _launch_hooks_set, uses_programmatic_launch
+from flashcore.kernels.triton import attention as triton_attention
+from flashcore.kernels.triton.attention import _attention_with_kv_cache_kernel
 
 
 def test_signature_separates_what_triton_specialises_on():

@@ -1,4 +1,5 @@
-"""Launch configurations: block sizes, warps, pipeline stages and the number of KV splits, keyed by shape.
+"""Launch configurations of every attention kernel: block sizes, warps, pipeline stages, registers and the number
+of KV splits, keyed by shape.
 
 Everything here is a pure function of host-side shapes (never of ``seq_lens`` values, which live on the
 device), so a choice is stable across decode steps and safe to make during CUDA-graph capture.
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): every kernel takes scale * LOG2_E and uses exp2
+
 # The interpreter has no SMs. Pretending to have a few makes the small shapes of the CPU test suite take the
 # split-KV path as well as the single-pass path.
 INTERPRETER_NUM_SMS = 8
@@ -24,6 +27,37 @@ MAX_KV_SPLITS = 64
 NEW_TOKENS_TILE = 16
 # fp32 elements of partial outputs one merge step holds: 64 registers per thread at 4 warps.
 MERGE_TILE_ELEMENTS = 8192
+
+
+@dataclass(frozen=True)
+class GluonDecodeConfig:
+    """The Gluon sm_90 decode kernel's fixed launch settings (its keys per tile: :func:`gluon_decode_block_n`)."""
+
+    head_dims: tuple[int, ...] = (64, 128)  # the head dims measured and tested on the H100
+    block_m: int = 16  # one mma.sync row tile: the GQA group, padded
+    num_stages: int = 2  # 3 stages: 1-5% slower on each split row (NOTES.md, entry 30)
+    num_consumer_warps: int = 4
+    # Registers per thread at launch: 2 programs of (4 consumer + 4 producer-group) warps per SM. The producer warp
+    # gives all but 24 back (setmaxnreg), so the consumers may use up to 232.
+    max_registers: int = 128
+
+
+@dataclass(frozen=True)
+class GluonPrefillConfig:
+    """The Gluon sm_90 prefill kernel's fixed launch settings."""
+
+    head_dims: tuple[int, ...] = (64, 128)
+    block_m: int = 128  # query rows per program, 64 per consumer warpgroup
+    block_n: int = 128
+    num_stages: int = 2
+    min_new_tokens: int = 128  # a chunk smaller than one query block is decode-like: the Triton kernel takes it
+    # 12 warps (two consumer warpgroups and the producer's group) at 168 registers fill the register file; the
+    # producer gives all but 24 back, so the consumers may hold 232-248.
+    max_registers: int = 168
+
+
+GLUON_DECODE = GluonDecodeConfig()
+GLUON_PREFILL = GluonPrefillConfig()
 
 
 @dataclass(frozen=True)

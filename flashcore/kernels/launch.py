@@ -18,10 +18,11 @@ set them), and non-tensor, non-int, non-float arguments.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
+
+from flashcore.backends import triton_interpreter_enabled
 
 try:  # host-side TMA descriptors, the warp-specialised decode kernel's K/V arguments
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -39,7 +40,7 @@ def uses_programmatic_launch(device: torch.device) -> bool:
     waits for it (``gdc_wait``) before its first memory access, so only the launch latency overlaps
     (benchmarks/NOTES.md, entry 25). The interpreter has no grid dependencies to wait on, and cannot run the wait.
     """
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if device.type != "cuda" or triton_interpreter_enabled():
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 

@@ -1,5 +1,5 @@
-"""What the Gluon kernels share: their imports across triton versions, where they can run, their TMA descriptors,
-and the online-softmax step.
+"""What the Gluon sm_90 kernels share: their imports across triton versions, where they can run, their TMA
+descriptors, the online-softmax step, and the seq_lens ticket and split merge (Gluon copies of the Triton protocol).
 
 Gluon (``triton.experimental.gluon``) ships with triton but is experimental: names move between versions (3.6 on
 the H100 machine, 3.9 on CI), and it has no interpreter. Without it, :func:`runs_on` is False and the kernels that
@@ -9,10 +9,11 @@ import from here are never defined.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import torch
+
+from flashcore.backends import triton_interpreter_enabled
 
 try:
     from triton.experimental import gluon
@@ -35,9 +36,9 @@ except ImportError:
     HAS_GLUON = False
 
 __all__ = [
-    "HAS_GLUON", "TensorDescriptor", "fence_async_shared", "gl", "gluon", "mbarrier", "mma_v2", "online_softmax_step",
-    "partition_barrier", "runs_on", "tile_descriptor", "CacheTileGrid", "cache_tile_grid", "cached_tile_descriptor",
-    "tma_load", "warpgroup_mma", "warpgroup_mma_wait",
+    "HAS_GLUON", "TensorDescriptor", "advance_seq_lens_after_last_program", "fence_async_shared", "gl", "gluon",
+    "mbarrier", "merge_kv_splits", "mma_v2", "online_softmax_step", "partition_barrier", "runs_on", "tile_descriptor",
+    "CacheTileGrid", "cache_tile_grid", "cached_tile_descriptor", "tma_load", "warpgroup_mma", "warpgroup_mma_wait",
 ]  # fmt: skip
 
 if HAS_GLUON:
@@ -54,6 +55,63 @@ if HAS_GLUON:
         alpha = gl.exp2(m_i - m_shift)
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
+    # The Triton bodies' protocol (kernels/triton/split_merge.py) in Gluon. A Gluon kernel cannot call those
+    # @triton.jit helpers: Gluon builds every tensor with an explicit layout, and they build theirs without. So the
+    # two Gluon kernels share these copies, which must stay op for op equal to the Triton ones.
+
+    @gluon.jit
+    def advance_seq_lens_after_last_program(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_row_programs):
+        """``split_merge._advance_seq_lens_after_last_tile``: the last of the row's programs to take its ticket
+        writes ``seq_lens[batch]``. acq_rel: every program read seq_lens before taking its ticket."""
+        if gl.atomic_add(row_tickets_ptr + batch, 1, sem="acq_rel") == num_row_programs - 1:
+            gl.store(seq_lens_ptr + batch, new_seq_len)
+            gl.atomic_xchg(row_tickets_ptr + batch, 0)
+
+    @gluon.jit
+    def merge_kv_splits(
+        partial_out_ptr, partial_lse_ptr, out_ptr, first_row, num_rows, num_splits,
+        HEAD_DIM: gl.constexpr, SPLITS_PAD: gl.constexpr, MERGE_ROWS: gl.constexpr, NUM_WARPS: gl.constexpr,
+    ):  # fmt: skip
+        """``split_merge._merge_kv_splits``, op for op: each output element is summed over the splits in index order
+        by the thread that holds it, so this merge (eager calls) and the Triton merge launch (captured calls) give
+        the same bits, and a graph-replayed decode step the same tokens as an eager one. Rows
+        ``[first_row, first_row + num_rows)``, at most ``MERGE_ROWS``."""
+        tile: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NUM_WARPS, 1], [1, 0])
+        rows_of_tile: gl.constexpr = gl.SliceLayout(1, tile)
+        cols_of_tile: gl.constexpr = gl.SliceLayout(0, tile)
+        offs_row = gl.arange(0, MERGE_ROWS, layout=rows_of_tile)
+        offs_split = gl.arange(0, SPLITS_PAD, layout=cols_of_tile)
+        offs_d = gl.arange(0, HEAD_DIM, layout=cols_of_tile)
+        is_row_valid = offs_row < num_rows
+        rows = (first_row + offs_row).to(gl.int64)
+        mask_split = is_row_valid[:, None] & (offs_split[None, :] < num_splits)
+        lse = gl.load(
+            partial_lse_ptr + rows[:, None] * num_splits + offs_split[None, :],
+            mask=mask_split,
+            other=float("-inf"),
+            cache_modifier=".cg",
+        )
+        lse_max = gl.max(lse, 1)
+        lse_shift = gl.where(lse_max == float("-inf"), 0.0, lse_max)
+        merged = gl.zeros([MERGE_ROWS, HEAD_DIM], gl.float32, tile)
+        weight_sum = gl.zeros([MERGE_ROWS], gl.float32, rows_of_tile)
+        for split in gl.static_range(SPLITS_PAD):
+            is_split = is_row_valid & (split < num_splits)
+            partial_row = rows * num_splits + split
+            split_lse = gl.load(partial_lse_ptr + partial_row, mask=is_split, other=float("-inf"), cache_modifier=".cg")
+            partial = gl.load(
+                partial_out_ptr + partial_row[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=is_split[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            weight = gl.exp2(split_lse - lse_shift)
+            weight_sum += weight
+            merged += partial * weight[:, None]
+        merged = merged / gl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
+        out_ptrs = out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        gl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=is_row_valid[:, None])
+
 
 @functools.cache
 def runs_on(device: torch.device) -> bool:
@@ -62,7 +120,7 @@ def runs_on(device: torch.device) -> bool:
     Cached: ops asks on every call, and the capability query alone cost 2.5-5 us of host time on the H100
     machine (benchmarks/NOTES.md, entry 31).
     """
-    if not HAS_GLUON or device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if not HAS_GLUON or device.type != "cuda" or triton_interpreter_enabled():
         return False
     return torch.cuda.get_device_capability(device)[0] == 9
 

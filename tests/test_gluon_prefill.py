@@ -1,10 +1,10 @@
-"""The warp-specialised prefill kernel: which calls ops hands it, and the contract on those calls.
+"""The Gluon sm_90 warp-specialised prefill kernel: which calls ops hands it, and the contract on those calls.
 
 It runs on sm_90 GPUs only (Gluon, TMA, wgmma and mbarriers have no interpreter), so everything but the first
-test needs the H100. ops hands it causal chunks of at least 128 new tokens (no query_lens, no window, D 128), eager
-or captured. The cases aim at its own edges: an empty cache and cached prefixes that end inside a key tile (the
-tail copy reads garbage, maybe NaN), chunks that end inside a query block, rows with different prefixes, a chunk
-that fills the cache to its last slot, and GQA groups 1 and 4.
+test needs the H100. ops hands it causal chunks of at least 128 new tokens (no query_lens, no window, D 64 or
+128), eager or captured. The cases aim at its own edges: an empty cache and cached prefixes that end inside a key
+tile (the tail copy reads garbage, maybe NaN), chunks that end inside a query block, rows with different prefixes, a
+chunk that fills the cache to its last slot, and GQA groups 1 and 4.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from conftest import ON_GPU, TOLERANCES, randn
 from oracle import check_call, make_call_inputs, with_heads_interleaved_caches
 
 import flashcore
-import flashcore.kernels.attention as triton_attention
-from flashcore.kernels import gluon_hopper, warp_specialized_prefill
+from flashcore.kernels import KernelCall
+from flashcore.kernels.gluon_sm90 import common as gluon_common
+from flashcore.kernels.gluon_sm90 import prefill as gluon_prefill
 
-ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and gluon_hopper.HAS_GLUON
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and gluon_common.HAS_GLUON
 hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="the Gluon prefill kernel runs on sm_90 GPUs only")
 
 
@@ -33,9 +34,20 @@ def _chunk_inputs(generator, device, dtype, *, seq_lens, num_new, heads=(32, 8),
 
 
 def _supports(inputs, query_lens=None, is_causal=True, sliding_window=0):
-    k_cache, v_cache, _ = inputs.cache
-    return warp_specialized_prefill.supports(
-        inputs.query, inputs.key, inputs.value, k_cache, v_cache, query_lens, is_causal, sliding_window
+    k_cache, v_cache, seq_lens = inputs.cache
+    return gluon_prefill.supports(
+        KernelCall(
+            inputs.query,
+            inputs.key,
+            inputs.value,
+            k_cache,
+            v_cache,
+            seq_lens,
+            query_lens,
+            is_causal,
+            1.0,
+            sliding_window,
+        )  # fmt: skip
     )
 
 
@@ -50,28 +62,30 @@ def test_supports_only_the_chunks_it_was_built_for(device, generator):
     assert not _supports(inputs, sliding_window=64)
     assert not _supports(_chunk_inputs(generator, device, torch.float16, seq_lens=[0], num_new=127))
     assert not _supports(_chunk_inputs(generator, device, torch.float32, seq_lens=[0], num_new=128))
-    assert not _supports(_chunk_inputs(generator, device, torch.float16, seq_lens=[0], num_new=128, head_dim=64))
+    assert not _supports(_chunk_inputs(generator, device, torch.float16, seq_lens=[0], num_new=128, head_dim=80))
+    assert _supports(_chunk_inputs(generator, device, torch.float16, seq_lens=[0], num_new=128, head_dim=64))
     assert _supports(with_heads_interleaved_caches(inputs))  # allocate_kv_cache's layout
 
 
 @hopper_only
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(32, 8), (8, 8)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(
     "seq_lens, num_new",
     [([0], 1024), ([0, 0], 200), ([1, 127], 128), ([100, 1000], 513), ([256], 300)],
     ids=["prefill", "ragged_block", "short_prefixes", "prefixes_inside_tiles", "tile_aligned_prefix"],
 )
 @pytest.mark.parametrize("layout", ["contiguous", "heads_interleaved"])
-def test_chunk_matches_oracle(layout, dtype, heads, seq_lens, num_new, device, generator, monkeypatch):
+def test_chunk_matches_oracle(layout, dtype, heads, head_dim, seq_lens, num_new, device, generator, kernels_run):
     """Through the public op, which must hand these calls to the Gluon kernel (and not to the Triton one), on
     contiguous caches and on allocate_kv_cache's layout (each token's heads together)."""
-    inputs = _chunk_inputs(generator, device, dtype, seq_lens=seq_lens, num_new=num_new, heads=heads)
+    inputs = _chunk_inputs(generator, device, dtype, seq_lens=seq_lens, num_new=num_new, heads=heads, head_dim=head_dim)
     if layout == "heads_interleaved":
         inputs = with_heads_interleaved_caches(inputs)
     assert _supports(inputs)
-    monkeypatch.setattr(triton_attention, "attention_with_kv_cache_triton", None)  # a call would raise
     out, cache = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
+    assert kernels_run == [gluon_prefill.NAME]
     check_call(inputs, out, cache, atol=TOLERANCES[dtype], is_causal=True)
 
 

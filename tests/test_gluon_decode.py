@@ -1,4 +1,4 @@
-"""The warp-specialised decode kernel: which calls ops hands it, and the contract on those calls.
+"""The Gluon sm_90 warp-specialised decode kernel: which calls ops hands it, and the contract on those calls.
 
 It runs on sm_90 GPUs only (Gluon, TMA and mbarriers have no interpreter), so everything but the first test
 needs the H100. The contract cases call it directly; one test checks that ops hands it eligible calls, eager
@@ -17,10 +17,12 @@ from conftest import ON_GPU, TOLERANCES, randn
 from oracle import check_call, make_call_inputs, with_heads_interleaved_caches
 
 import flashcore
-import flashcore.kernels.attention as triton_attention
-from flashcore.kernels import configs, gluon_hopper, warp_specialized_decode
+from flashcore.kernels import KernelCall, configs
+from flashcore.kernels.gluon_sm90 import common as gluon_common
+from flashcore.kernels.gluon_sm90 import decode as gluon_decode
+from flashcore.kernels.triton import split_merge
 
-ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and gluon_hopper.HAS_GLUON
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and gluon_common.HAS_GLUON
 hopper_only = pytest.mark.skipif(not ON_HOPPER, reason="the Gluon decode kernel runs on sm_90 GPUs only")
 LOW_PRECISION = [torch.float16, torch.bfloat16]
 
@@ -38,17 +40,17 @@ def _decode_inputs(
 
 def _supports(inputs, query_lens=None, sliding_window=0, k_cache=None):
     k_cache = inputs.cache[0] if k_cache is None else k_cache
-    return warp_specialized_decode.supports(
-        inputs.query, inputs.key, inputs.value, k_cache, inputs.cache[1], query_lens, sliding_window
-    )
+    call = KernelCall(inputs.query, inputs.key, inputs.value, k_cache, inputs.cache[1], inputs.cache[2], query_lens,
+                      True, 1.0, sliding_window)  # fmt: skip
+    return gluon_decode.supports(call)
 
 
 def _decode(inputs, query_lens=None):
     """The kernel on one call's inputs, as ops would run it (scale 1 / sqrt(D))."""
     k_cache, v_cache, seq_lens = inputs.cache
     scale = inputs.query.shape[-1] ** -0.5
-    out = warp_specialized_decode.decode_with_kv_cache(
-        inputs.query, inputs.key, inputs.value, k_cache, v_cache, seq_lens, query_lens, scale
+    out = gluon_decode.run(
+        KernelCall(inputs.query, inputs.key, inputs.value, k_cache, v_cache, seq_lens, query_lens, True, scale, 0)
     )
     return out, inputs.cache
 
@@ -133,16 +135,16 @@ def test_head_dim_64_tile_sizes(seq_lens, capacity, block_n, dtype, device, gene
     keeps its length (configs.gluon_decode_block_n), 64-key tiles elsewhere: both against the oracle, with tails
     of 1 and 127 keys and a row filled to the last slot. Planned for the H100's 132 SMs on any GPU."""
     monkeypatch.setattr(configs, "num_sms", lambda device: 132)
-    warp_specialized_decode._launch_plan.cache_clear()  # plans are cached per shape: none made with the real count
+    gluon_decode._launch_plan.cache_clear()  # plans are cached per shape: none made with the real count
     try:
         inputs = _decode_inputs(generator, device, dtype, heads=(9, 3), head_dim=64, seq_lens=seq_lens,
                                 capacity=capacity)  # fmt: skip
-        plan = warp_specialized_decode._launch_plan(len(seq_lens) * 3, capacity, 3, 64, device)
+        plan = gluon_decode._launch_plan(len(seq_lens) * 3, capacity, 3, 64, device)
         assert plan[0] == block_n
         out, cache = _decode(inputs)
         check_call(inputs, out, cache, atol=TOLERANCES[dtype], is_causal=True)
     finally:
-        warp_specialized_decode._launch_plan.cache_clear()
+        gluon_decode._launch_plan.cache_clear()
 
 
 @hopper_only
@@ -174,7 +176,7 @@ def test_padding_rows_store_nothing_and_output_zero(seq_len, device, generator):
 )
 def test_split_merge_placements_agree_bitwise(heads, head_dim, capacity, device, generator, monkeypatch):
     """Eager calls merge the splits in this kernel's launch (its Gluon copy of the merge), captured ones in
-    split_kv's merge launch. Both must give the same bits, or a graph-replayed decode loop picks other tokens
+    the Triton merge launch. Both must give the same bits, or a graph-replayed decode loop picks other tokens
     than an eager one (test_contract.py's test of the same name, for the Triton kernel)."""
     seq_lens = [int(torch.randint(capacity // 2, capacity - 8, (1,), generator=generator)), 0, 70]
     inputs = _decode_inputs(generator, device, torch.bfloat16, heads=heads, head_dim=head_dim, seq_lens=seq_lens,
@@ -182,7 +184,7 @@ def test_split_merge_placements_agree_bitwise(heads, head_dim, capacity, device,
     outputs, caches = [], []
     for merges_in_launch in (True, False):
         placement = functools.partial(lambda placed, device: placed, merges_in_launch)
-        monkeypatch.setattr(triton_attention, "merges_in_attention_launch", placement)
+        monkeypatch.setattr(split_merge, "merges_in_attention_launch", placement)
         call = dataclasses.replace(inputs, cache=tuple(tensor.clone() for tensor in inputs.cache))
         out, cache = _decode(call)
         check_call(call, out, cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
@@ -196,23 +198,10 @@ def test_split_merge_placements_agree_bitwise(heads, head_dim, capacity, device,
 @hopper_only
 @pytest.mark.parametrize("with_query_lens", [False, True], ids=["no_query_lens", "query_lens"])
 @pytest.mark.parametrize("batch", [1, 64], ids=["split", "one_program_per_row"])
-def test_ops_runs_it_eagerly_and_captured_with_the_same_bits(batch, with_query_lens, device, generator, monkeypatch):
+def test_ops_runs_it_eagerly_and_captured_with_the_same_bits(batch, with_query_lens, device, generator, kernels_run):
     """ops hands a decode call to this kernel whether it runs eagerly or is captured into a CUDA graph, so a
     replayed step writes the eager step's bits: output, cache and seq_lens. With query_lens too, which HF's
     generate passes at every step."""
-    calls = []
-
-    def spy(name, run):
-        def wrapped(*args):
-            calls.append(name)
-            return run(*args)
-
-        return wrapped
-
-    monkeypatch.setattr(triton_attention, "attention_with_kv_cache_triton",
-                        spy("triton", triton_attention.attention_with_kv_cache_triton))  # fmt: skip
-    monkeypatch.setattr(warp_specialized_decode, "decode_with_kv_cache",
-                        spy("gluon", warp_specialized_decode.decode_with_kv_cache))  # fmt: skip
     seq_lens = torch.randint(500, 1500, (batch,), generator=generator).tolist()
     inputs = _decode_inputs(generator, device, torch.bfloat16, seq_lens=seq_lens, capacity=1600)
     k_cache, v_cache, lens = inputs.cache
@@ -222,7 +211,7 @@ def test_ops_runs_it_eagerly_and_captured_with_the_same_bits(batch, with_query_l
         inputs.query, inputs.key, inputs.value, inputs.cache, query_lens=query_lens
     )
     check_call(inputs, eager, inputs.cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
-    assert calls == ["gluon"]
+    assert kernels_run == [gluon_decode.NAME]
     eager_cache = (k_cache.clone(), v_cache.clone(), lens.clone())
 
     lens.copy_(lens_before)  # the captured call appends the same token to the same slot
@@ -231,7 +220,7 @@ def test_ops_runs_it_eagerly_and_captured_with_the_same_bits(batch, with_query_l
         replayed, _ = flashcore.attention_with_kv_cache(
             inputs.query, inputs.key, inputs.value, inputs.cache, query_lens=query_lens
         )
-    assert calls == ["gluon", "gluon"]
+    assert kernels_run == [gluon_decode.NAME] * 2
     lens.copy_(lens_before)
     graph.replay()
     torch.cuda.synchronize()

@@ -2,7 +2,7 @@
 
 Semantics are :func:`flashcore.ops.attention_with_kv_cache`'s, for the calls this kernel takes: one new token
 per row (``S_q == 1``; ``query_lens`` may mark a row as padding), no window, fp16/bf16, ``D`` 64 or 128,
-``H_q // H_kv <= 16``, caches in a layout ``gluon_hopper.cache_tile_grid`` takes, on an sm_90 GPU. :func:`supports`
+``H_q // H_kv <= 16``, caches in a layout ``common.cache_tile_grid`` takes, on an sm_90 GPU. :func:`supports`
 says whether a call is one of them; ops.py hands each of them over, eager or captured into a CUDA graph, so that a
 graph-replayed decode step gives the eager one's bits.
 
@@ -18,9 +18,9 @@ Grid ``(B * H_kv, KV splits)``, GQA packed as in the Triton kernel: one program 
 of one KV head, padded to a 16-row mma.sync tile. The cached prefix ``[0, L_b)`` is split into equal runs of key
 tiles; split 0 appends the new token's K/V at ``L_b``, the last split attends to it from ``key``/``value``. With
 one split the row's last program advances ``seq_lens``. With more, the splits are merged where the Triton kernel
-merges its own (split_kv.py): eagerly, by the last split of each (batch, KV head) to finish, in this launch, since
-a second launch would double the host time, which is an eager call's cost; under capture, by split_kv's merge
-launch. That merge advances ``seq_lens`` too, and both give the same bits.
+merges its own (``triton/split_merge.py``): eagerly, by the last split of each (batch, KV head) to finish, in this
+launch, since a second launch would double the host time, which is an eager call's cost; under capture, by the
+Triton merge launch. That merge advances ``seq_lens`` too, and both give the same bits.
 """
 
 from __future__ import annotations
@@ -30,108 +30,55 @@ import functools
 import torch
 import triton
 
-from flashcore.kernels import attention, configs, gluon_hopper
+from flashcore.kernels import configs
+from flashcore.kernels.call import KernelCall
+from flashcore.kernels.gluon_sm90 import common
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 from flashcore.kernels.scratch import scratch_buffer, split_partials
-from flashcore.kernels.split_kv import merge_kv_splits
+from flashcore.kernels.triton import split_merge
 
-if gluon_hopper.HAS_GLUON:
-    from flashcore.kernels.gluon_hopper import (
+if common.HAS_GLUON:
+    from flashcore.kernels.gluon_sm90.common import (
+        advance_seq_lens_after_last_program,
         cached_tile_descriptor,
         fence_async_shared,
         gl,
         gluon,
         mbarrier,
+        merge_kv_splits,
         mma_v2,
         online_softmax_step,
         partition_barrier,
         tma_load,
     )
 
-LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
-HEAD_DIMS = (64, 128)  # the head dims measured and tested on the H100
-BLOCK_M = 16  # one mma.sync row tile: the GQA group, padded
-NUM_STAGES = 2  # 3 stages: 1-5% slower on each split row of NOTES.md entry 30's last probe round
-NUM_CONSUMER_WARPS = 4
-# Registers per thread at launch: 2 programs of (4 consumer + 4 producer-group) warps per SM. The producer warp
-# gives all but 24 back (setmaxnreg), so the consumers may use up to 232.
-MAX_REGISTERS = 128
+NAME = "gluon_sm90.decode"
+CONFIG = configs.GLUON_DECODE
 
 
-def supports(query, key, value, k_cache, v_cache, query_lens, sliding_window: int) -> bool:
+def supports(call: KernelCall) -> bool:
     """Whether this kernel can run a (validated) call: see the module docstring for the list."""
+    query, key, value, k_cache, v_cache, _, _, _, _, sliding_window = call
     batch, num_q_heads, num_new, head_dim = query.shape
-    if num_new != 1 or not gluon_hopper.runs_on(query.device):
+    if num_new != 1 or not common.runs_on(query.device):
         return False
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     return (
         sliding_window == 0
         and query.dtype in (torch.float16, torch.bfloat16)
-        and head_dim in HEAD_DIMS
-        and num_q_heads // num_kv_heads <= BLOCK_M
+        and head_dim in CONFIG.head_dims
+        and num_q_heads // num_kv_heads <= CONFIG.block_m
         and query.stride(3) == key.stride(3) == value.stride(3) == 1
         and k_cache.stride() == v_cache.stride()
-        and gluon_hopper.cache_tile_grid(k_cache) is not None
+        and common.cache_tile_grid(k_cache) is not None
         and k_cache.data_ptr() % 16 == 0
         and v_cache.data_ptr() % 16 == 0
         and batch * num_kv_heads * capacity < 2**31  # TMA coordinates are int32
     )
 
 
-if gluon_hopper.HAS_GLUON:
+if common.HAS_GLUON:
     _PRODUCER_REGISTERS = gl.constexpr(24)  # the least a warp can hold; the producer only computes addresses
-
-    @gluon.jit
-    def _advance_seq_len(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_row_programs):
-        # acq_rel: every program read seq_lens before taking its ticket, so the last taker may write it.
-        if gl.atomic_add(row_tickets_ptr + batch, 1, sem="acq_rel") == num_row_programs - 1:
-            gl.store(seq_lens_ptr + batch, new_seq_len)
-            gl.atomic_xchg(row_tickets_ptr + batch, 0)
-
-    @gluon.jit
-    def _merge_kv_splits(
-        partial_out_ptr, partial_lse_ptr, out_ptr, first_row, num_rows, num_splits,
-        HEAD_DIM: gl.constexpr, SPLITS_PAD: gl.constexpr, MERGE_ROWS: gl.constexpr, NUM_WARPS: gl.constexpr,
-    ):  # fmt: skip
-        """``split_kv._merge_kv_splits`` in Gluon (which cannot call a Triton function), op for op: each output
-        element is summed over the splits in index order by the thread that holds it, so this merge (eager calls)
-        and split_kv's merge launch (captured calls) give the same bits, and a graph-replayed decode step the
-        same tokens as an eager one. Rows ``[first_row, first_row + num_rows)``, at most ``MERGE_ROWS``."""
-        tile: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [NUM_WARPS, 1], [1, 0])
-        rows_of_tile: gl.constexpr = gl.SliceLayout(1, tile)
-        cols_of_tile: gl.constexpr = gl.SliceLayout(0, tile)
-        offs_row = gl.arange(0, MERGE_ROWS, layout=rows_of_tile)
-        offs_split = gl.arange(0, SPLITS_PAD, layout=cols_of_tile)
-        offs_d = gl.arange(0, HEAD_DIM, layout=cols_of_tile)
-        is_row_valid = offs_row < num_rows
-        rows = (first_row + offs_row).to(gl.int64)
-        mask_split = is_row_valid[:, None] & (offs_split[None, :] < num_splits)
-        lse = gl.load(
-            partial_lse_ptr + rows[:, None] * num_splits + offs_split[None, :],
-            mask=mask_split,
-            other=float("-inf"),
-            cache_modifier=".cg",
-        )
-        lse_max = gl.max(lse, 1)
-        lse_shift = gl.where(lse_max == float("-inf"), 0.0, lse_max)
-        merged = gl.zeros([MERGE_ROWS, HEAD_DIM], gl.float32, tile)
-        weight_sum = gl.zeros([MERGE_ROWS], gl.float32, rows_of_tile)
-        for split in gl.static_range(SPLITS_PAD):
-            is_split = is_row_valid & (split < num_splits)
-            partial_row = rows * num_splits + split
-            split_lse = gl.load(partial_lse_ptr + partial_row, mask=is_split, other=float("-inf"), cache_modifier=".cg")
-            partial = gl.load(
-                partial_out_ptr + partial_row[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=is_split[:, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            weight = gl.exp2(split_lse - lse_shift)
-            weight_sum += weight
-            merged += partial * weight[:, None]
-        merged = merged / gl.where(weight_sum > 0.0, weight_sum, 1.0)[:, None]
-        out_ptrs = out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
-        gl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=is_row_valid[:, None])
 
     @gluon.jit
     def _stream_kv_tiles(
@@ -155,7 +102,7 @@ if gluon_hopper.HAS_GLUON:
             # hand-back means every one of them is past that read.
             if num_tiles <= NUM_STAGES:
                 mbarrier.wait(empty.index(0), 0)
-            _advance_seq_len(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_row_programs)
+            advance_seq_lens_after_last_program(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_row_programs)
 
     @gluon.jit
     def _attend_kv_tiles(
@@ -263,11 +210,11 @@ if gluon_hopper.HAS_GLUON:
                 if gl.atomic_add(tile_ticket_ptr, 1, sem="acq_rel") == num_splits - 1:
                     gl.atomic_xchg(tile_ticket_ptr, 0)
                     for merge_start in range(0, GROUP, MERGE_ROWS):
-                        _merge_kv_splits(
+                        merge_kv_splits(
                             partial_out_ptr, partial_lse_ptr, out_ptr, first_out_row + merge_start,
                             GROUP - merge_start, num_splits, HEAD_DIM, SPLITS_PAD, MERGE_ROWS, NUM_WARPS,
                         )  # fmt: skip
-                    _advance_seq_len(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_kv_heads)
+                    advance_seq_lens_after_last_program(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_kv_heads)
         else:
             out_offsets = out_rows[:, None] * HEAD_DIM + offs_d[None, :]
             gl.store(out_ptr + out_offsets, out.to(dtype), mask=mask_m[:, None])
@@ -277,9 +224,9 @@ if gluon_hopper.HAS_GLUON:
         q_ptr,  # [B, H_q, 1, D], stride 1 along D
         k_ptr,  # [B, H_kv, 1, D]: the new token's key
         v_ptr,  # [B, H_kv, 1, D]
-        k_cache_ptr,  # [B, H_kv, S_max, D], a layout gluon_hopper.cache_tile_grid takes: the append's target
+        k_cache_ptr,  # [B, H_kv, S_max, D], a layout common.cache_tile_grid takes: the append's target
         v_cache_ptr,
-        k_desc,  # TMA descriptor over k_cache seen as gluon_hopper.CacheTileGrid's 2D view, [BLOCK_N, D] boxes
+        k_desc,  # TMA descriptor over k_cache seen as common.CacheTileGrid's 2D view, [BLOCK_N, D] boxes
         v_desc,
         seq_lens_ptr,  # [B] int32
         query_lens_ptr,  # [B] int32, HAS_QUERY_LENS only: 1 for a new token, 0 for a padding row
@@ -300,7 +247,7 @@ if gluon_hopper.HAS_GLUON:
         NUM_STAGES: gl.constexpr,
         HAS_QUERY_LENS: gl.constexpr,
         USE_SPLIT_KV: gl.constexpr,  # else one program per (batch, KV head) row, which advances seq_lens itself
-        MERGE_IN_LAUNCH: gl.constexpr,  # with USE_SPLIT_KV: the last split merges (else split_kv's merge launch)
+        MERGE_IN_LAUNCH: gl.constexpr,  # with USE_SPLIT_KV: the last split merges (else the Triton merge launch)
         SPLITS_PAD: gl.constexpr,  # MERGE_IN_LAUNCH only: splits, rounded up to a power of two
         MERGE_ROWS: gl.constexpr,  # MERGE_IN_LAUNCH only: query heads merged per step (bounds its registers)
         USE_PDL: gl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
@@ -380,21 +327,13 @@ def _launch_plan(batch_kv_heads: int, capacity: int, group: int, head_dim: int, 
     num_splits = configs.num_kv_splits(batch_kv_heads, capacity, device)
     block_n = configs.gluon_decode_block_n(head_dim, batch_kv_heads, num_splits, capacity, device)
     splits_pad = triton.next_power_of_2(num_splits)
-    return block_n, num_splits, splits_pad, configs.merge_rows(group, BLOCK_M, splits_pad, head_dim)
+    return block_n, num_splits, splits_pad, configs.merge_rows(group, CONFIG.block_m, splits_pad, head_dim)
 
 
-def decode_with_kv_cache(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_lens: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
+def run(call: KernelCall) -> torch.Tensor:
     """Append-and-attend for a call that :func:`supports` accepts, in one launch; with KV splits under graph
-    capture, split_kv's merge launch follows (where the splits merge: ``attention.merges_in_attention_launch``)."""
+    capture, the Triton merge launch follows (where splits merge: ``split_merge.merges_in_attention_launch``)."""
+    query, key, value, k_cache, v_cache, seq_lens, query_lens, _, scale, _ = call
     batch, num_q_heads, _, head_dim = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -409,7 +348,7 @@ def decode_with_kv_cache(
     merge_in_launch = False
     if num_splits > 1:
         partial_out, partial_lse = split_partials(batch * num_q_heads, num_splits, head_dim, query.device)
-        merge_in_launch = attention.merges_in_attention_launch(query.device)
+        merge_in_launch = split_merge.merges_in_attention_launch(query.device)
         if merge_in_launch:
             tile_tickets = scratch_buffer("tile_tickets", batch * num_kv_heads, torch.int32, query.device)
     else:
@@ -428,27 +367,27 @@ def decode_with_kv_cache(
             out, partial_out, partial_lse,
             stride_q[0], stride_q[1], stride_k[0], stride_k[1], stride_v[0], stride_v[1],
             grid.cols, grid.rows_per_batch, grid.rows_per_head, grid.cols_per_head, num_kv_heads, capacity,
-            scale * LOG2_E,
+            scale * configs.LOG2_E,
         ),
         dict(
             GROUP=group,
             HEAD_DIM=head_dim,
-            BLOCK_M=BLOCK_M,
+            BLOCK_M=CONFIG.block_m,
             BLOCK_N=block_n,
-            NUM_STAGES=NUM_STAGES,
+            NUM_STAGES=CONFIG.num_stages,
             HAS_QUERY_LENS=query_lens is not None,
             USE_SPLIT_KV=num_splits > 1,
             MERGE_IN_LAUNCH=merge_in_launch,
             SPLITS_PAD=splits_pad,
             MERGE_ROWS=merge_rows,
             USE_PDL=use_pdl,
-            NUM_WARPS=NUM_CONSUMER_WARPS,
+            NUM_WARPS=CONFIG.num_consumer_warps,
         ),
-        num_warps=NUM_CONSUMER_WARPS,
-        num_stages=NUM_STAGES,
+        num_warps=CONFIG.num_consumer_warps,
+        num_stages=CONFIG.num_stages,
         launch_pdl=use_pdl,
-        maxnreg=MAX_REGISTERS,
+        maxnreg=CONFIG.max_registers,
     )  # fmt: skip
     if num_splits > 1 and not merge_in_launch:
-        merge_kv_splits(partial_out, partial_lse, out, seq_lens, query_lens)
+        split_merge.merge_kv_splits(partial_out, partial_lse, out, seq_lens, query_lens)
     return out

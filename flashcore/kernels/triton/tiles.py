@@ -1,4 +1,4 @@
-"""Shared ``@triton.jit`` helpers: masked tile loads and the online-softmax loop over key tiles."""
+"""The Triton attention body's ``@triton.jit`` helpers: masked tile loads and the online-softmax loop over key tiles."""
 
 import triton
 import triton.language as tl

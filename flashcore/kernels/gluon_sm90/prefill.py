@@ -2,9 +2,9 @@
 for each other.
 
 Semantics are :func:`flashcore.ops.attention_with_kv_cache`'s, for the calls this kernel takes: causal, at least
-``MIN_NEW_TOKENS`` new tokens per row and no ``query_lens`` (every row appends ``S_q``), no window, fp16/bf16,
-``D`` 128, contiguous q/k/v, caches in a layout ``gluon_hopper.cache_tile_grid`` takes, on an sm_90 GPU.
-:func:`supports` says whether a call is one of them.
+``configs.GLUON_PREFILL.min_new_tokens`` new tokens per row and no ``query_lens`` (every row appends ``S_q``), no
+window, fp16/bf16, ``D`` in ``configs.GLUON_PREFILL.head_dims``, contiguous q/k/v, caches in a layout
+``common.cache_tile_grid`` takes, on an sm_90 GPU. :func:`supports` says whether a call is one of them.
 
 Why: the Triton kernel's two warpgroups run their softmax and their MMAs in lockstep behind block barriers, so the
 tensor cores idle while the softmax runs (NOTES.md, entries 9 and 26). FA3 splits a program's 128 query rows
@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import torch
 
-from flashcore.kernels import gluon_hopper
+from flashcore.kernels import configs
+from flashcore.kernels.call import KernelCall
+from flashcore.kernels.gluon_sm90 import common
 from flashcore.kernels.launch import CachedLauncher
 from flashcore.kernels.scratch import scratch_buffer
 
-if gluon_hopper.HAS_GLUON:
-    from flashcore.kernels.gluon_hopper import (
+if common.HAS_GLUON:
+    from flashcore.kernels.gluon_sm90.common import (
+        advance_seq_lens_after_last_program,
         cached_tile_descriptor,
         fence_async_shared,
         gl,
@@ -40,23 +43,17 @@ if gluon_hopper.HAS_GLUON:
         warpgroup_mma_wait,
     )
 
-LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
-HEAD_DIM = 128
-BLOCK_M = 128  # query rows per program, 64 per consumer warpgroup
-BLOCK_N = 128
-NUM_STAGES = 2
-MIN_NEW_TOKENS = 128  # a chunk smaller than one query block is decode-like: the Triton kernel takes it
-# 12 warps (two consumer warpgroups and the producer's group) at 168 registers fill the register file; the
-# producer gives all but 24 back, so the consumers may hold 232-248.
-MAX_REGISTERS = 168
+NAME = "gluon_sm90.prefill"
+CONFIG = configs.GLUON_PREFILL
 
 
-def supports(query, key, value, k_cache, v_cache, query_lens, is_causal: bool, sliding_window: int) -> bool:
+def supports(call: KernelCall) -> bool:
     """Whether this kernel can run a (validated) call: see the module docstring for the list."""
+    query, key, value, k_cache, v_cache, _, query_lens, is_causal, _, sliding_window = call
     batch, num_q_heads, num_new, head_dim = query.shape
-    if num_new < MIN_NEW_TOKENS:  # first: ops asks on every call, decode steps included
+    if num_new < CONFIG.min_new_tokens:  # first: ops asks on every call, decode steps included
         return False
-    if not gluon_hopper.runs_on(query.device):
+    if not common.runs_on(query.device):
         return False
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     return (
@@ -64,16 +61,16 @@ def supports(query, key, value, k_cache, v_cache, query_lens, is_causal: bool, s
         and query_lens is None
         and sliding_window == 0
         and query.dtype in (torch.float16, torch.bfloat16)
-        and head_dim == HEAD_DIM
+        and head_dim in CONFIG.head_dims
         and all(t.is_contiguous() for t in (query, key, value))
         and all(t.data_ptr() % 16 == 0 for t in (query, key, value, k_cache, v_cache))
-        and gluon_hopper.cache_tile_grid(k_cache) is not None
+        and common.cache_tile_grid(k_cache) is not None
         and k_cache.stride() == v_cache.stride()
         and batch * max(num_q_heads * num_new, num_kv_heads * capacity) < 2**31  # TMA coordinates are int32
     )
 
 
-if gluon_hopper.HAS_GLUON:
+if common.HAS_GLUON:
     _CONSUMER_REGISTERS = gl.constexpr(232)
     _PRODUCER_REGISTERS = gl.constexpr(24)
     _COPY_ROWS = gl.constexpr(32)  # rows per register round trip in the append and the tail fix
@@ -109,10 +106,9 @@ if gluon_hopper.HAS_GLUON:
         # Stage 0's first hand-back means both consumers are past their read of seq_lens.
         if num_tiles <= STAGES:
             mbarrier.wait(empty.index(0), 0)
-        # acq_rel: every program read seq_lens before taking its ticket, so the last taker may write it.
-        if gl.atomic_add(row_tickets_ptr + batch, 1, sem="acq_rel") == num_row_programs - 1:
-            gl.store(seq_lens_ptr + batch, seq_len_before + num_new)
-            gl.atomic_xchg(row_tickets_ptr + batch, 0)
+        advance_seq_lens_after_last_program(
+            seq_lens_ptr, row_tickets_ptr, batch, seq_len_before + num_new, num_row_programs
+        )
 
     @gluon.jit
     def _attend_half(args, HALF: gl.constexpr):
@@ -205,7 +201,7 @@ if gluon_hopper.HAS_GLUON:
         q_ptr,  # [B, H_q, S_q, D], contiguous (a tensor first: CachedLauncher reads the device off it)
         k_ptr,  # [B, H_kv, S_q, D], contiguous: the append's source
         v_ptr,
-        k_cache_ptr,  # [B, H_kv, S_max, D], a layout gluon_hopper.cache_tile_grid takes: the append's target
+        k_cache_ptr,  # [B, H_kv, S_max, D], a layout common.cache_tile_grid takes: the append's target
         v_cache_ptr,
         out_ptr,  # [B, H_q, S_q, D], contiguous
         seq_lens_ptr,  # [B] int32
@@ -271,37 +267,31 @@ if gluon_hopper.HAS_GLUON:
     _launch_prefill = CachedLauncher(_warp_specialized_prefill_kernel)
 
 
-def prefill_with_kv_cache(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def run(call: KernelCall) -> torch.Tensor:
     """Append-and-attend for a call that :func:`supports` accepts, in one launch."""
+    query, key, value, k_cache, v_cache, seq_lens, _, _, scale, _ = call
     batch, num_q_heads, num_new, _ = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if batch == 0:
         return out
     row_tickets = scratch_buffer("row_tickets", batch, torch.int32, query.device)
-    num_m_blocks = -(-num_new // BLOCK_M)
-    k_cache_desc, grid = cached_tile_descriptor(k_cache, BLOCK_N)
-    v_cache_desc = cached_tile_descriptor(v_cache, BLOCK_N)[0]  # the same grid: supports() checked the strides
+    num_m_blocks = -(-num_new // CONFIG.block_m)
+    k_cache_desc, grid = cached_tile_descriptor(k_cache, CONFIG.block_n)
+    v_cache_desc = cached_tile_descriptor(v_cache, CONFIG.block_n)[0]  # the same grid: supports() checked the strides
     # The cached launch path: through the JIT, a 2k-token call was host-bound (2.4x the kernel; NOTES.md, entry 30).
     _launch_prefill(
         (num_m_blocks, batch * num_q_heads, 1),
         (
             query, key, value, k_cache, v_cache, out, seq_lens, row_tickets,
-            tile_descriptor(query, BLOCK_M // 2), tile_descriptor(key, BLOCK_N), tile_descriptor(value, BLOCK_N),
+            tile_descriptor(query, CONFIG.block_m // 2), tile_descriptor(key, CONFIG.block_n),
+            tile_descriptor(value, CONFIG.block_n),
             k_cache_desc, v_cache_desc, grid.cols, grid.rows_per_batch, grid.rows_per_head, grid.cols_per_head,
-            num_new, capacity, num_q_heads, num_kv_heads, scale * LOG2_E,
+            num_new, capacity, num_q_heads, num_kv_heads, scale * configs.LOG2_E,
         ),
-        dict(BLOCK_M=BLOCK_M, NUM_STAGES=NUM_STAGES),
+        dict(BLOCK_M=CONFIG.block_m, NUM_STAGES=CONFIG.num_stages),
         num_warps=4,
-        num_stages=NUM_STAGES,
-        maxnreg=MAX_REGISTERS,
+        num_stages=CONFIG.num_stages,
+        maxnreg=CONFIG.max_registers,
     )  # fmt: skip
     return out

@@ -21,12 +21,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashcore.kernels import configs
-from flashcore.kernels.common import _attend_loaded_tile, _attend_tiles, _load_tile
+from flashcore.kernels.call import KernelCall
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 from flashcore.kernels.scratch import scratch_buffer, split_partials
-from flashcore.kernels.split_kv import _merge_kv_splits, merge_kv_splits
+from flashcore.kernels.triton import split_merge
+from flashcore.kernels.triton.split_merge import _advance_seq_lens_after_last_tile, _merge_kv_splits
+from flashcore.kernels.triton.tiles import _attend_loaded_tile, _attend_tiles, _load_tile
 
-LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e))
+NAME = "triton.attention"
 
 
 @triton.jit
@@ -263,18 +265,6 @@ def _attention_with_kv_cache_kernel(
         )
 
 
-@triton.jit
-def _advance_seq_lens_after_last_tile(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_tiles):
-    """Writes ``seq_lens[batch]`` once every tile of the row has finished with it (read it, and merged).
-
-    acq_rel orders each tile's reads of seq_lens before its ticket, so the last taker may write.
-    """
-    row_ticket_ptr = row_tickets_ptr + batch
-    if tl.atomic_add(row_ticket_ptr, 1, sem="acq_rel") == num_tiles - 1:
-        tl.store(seq_lens_ptr + batch, new_seq_len)
-        tl.atomic_xchg(row_ticket_ptr, 0)
-
-
 _launch_attention = CachedLauncher(_attention_with_kv_cache_kernel)
 
 
@@ -308,27 +298,15 @@ def _launch_plan(
     return _LaunchPlan(config, num_m_blocks, num_splits, rows_per_group, head_dim_pad, splits_pad, merge_rows)
 
 
-def merges_in_attention_launch(device: torch.device) -> bool:
-    """Where a split prefix is merged: in the attention launch when running eagerly, where a second launch's
-    host cost dominates; in a second launch while a CUDA graph is captured, because replay has no host cost and
-    the separate merge is 1-3 us faster on the H100 (benchmarks/NOTES.md, entry 20)."""
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+def supports(call: KernelCall) -> bool:
+    """Every validated call: this is the portable kernel (CUDA, or the CPU under the interpreter)."""
+    return True
 
 
-def attention_with_kv_cache_triton(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_lens: torch.Tensor | None,
-    is_causal: bool,
-    scale: float,
-    sliding_window: int,
-) -> torch.Tensor:
+def run(call: KernelCall) -> torch.Tensor:
     """One launch (append, attention, split merge, seq_lens update); a split prefix merged in a second launch
-    under graph capture (:func:`merges_in_attention_launch`)."""
+    under graph capture (``split_merge.merges_in_attention_launch``)."""
+    query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window = call
     batch, num_q_heads, num_new, head_dim = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -341,7 +319,7 @@ def attention_with_kv_cache_triton(
     use_last_split_merge = False
     if num_splits > 1:
         partial_out, partial_lse = split_partials(batch * num_q_heads * num_new, num_splits, head_dim, query.device)
-        use_last_split_merge = merges_in_attention_launch(query.device)
+        use_last_split_merge = split_merge.merges_in_attention_launch(query.device)
     else:
         partial_out = partial_lse = out  # unused without USE_SPLIT_KV
     if use_last_split_merge:
@@ -356,7 +334,7 @@ def attention_with_kv_cache_triton(
             query, key, value, k_cache, v_cache, seq_lens, query_lens if query_lens is not None else seq_lens,
             out, partial_out, partial_lse, row_tickets, tile_tickets,
             *query.stride(), *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
-            num_kv_heads, num_new, capacity, plan.rows_per_group, scale * LOG2_E, sliding_window,
+            num_kv_heads, num_new, capacity, plan.rows_per_group, scale * configs.LOG2_E, sliding_window,
         ),
         dict(
             GROUP=group,
@@ -380,5 +358,5 @@ def attention_with_kv_cache_triton(
         launch_pdl=use_pdl,
     )  # fmt: skip
     if num_splits > 1 and not use_last_split_merge:
-        merge_kv_splits(partial_out, partial_lse, out, seq_lens, query_lens)
+        split_merge.merge_kv_splits(partial_out, partial_lse, out, seq_lens, query_lens)
     return out

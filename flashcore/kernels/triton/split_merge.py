@@ -1,5 +1,10 @@
-"""Flash-decoding merge: combines per-split partial outputs by their log-sum-exp, and advances seq_lens.
+"""The protocol every Triton attention body shares: the flash-decoding split merge and the ``seq_lens`` ticket.
 
+**The ticket.** Several programs of one launch read a row's ``seq_lens`` (every KV head, M block and split). The
+row may only be advanced once all of them have read it, so each takes a ticket when it is done with it, and the last
+taker writes ``seq_lens[b] + n_b`` and resets the ticket (:func:`_advance_seq_lens_after_last_tile`).
+
+**The merge.**
 With ``USE_SPLIT_KV`` the attention kernel splits each row's cached prefix over several programs; each writes
 a normalised partial output and its log2-sum-exp. :func:`_merge_kv_splits` combines them, in one of two places
 (the launcher picks; benchmarks/NOTES.md, entry 20):
@@ -19,6 +24,25 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
+
+
+def merges_in_attention_launch(device: torch.device) -> bool:
+    """Where a split prefix is merged: in the attention launch when running eagerly, where a second launch's
+    host cost dominates; in a second launch while a CUDA graph is captured, because replay has no host cost and
+    the separate merge is 1-3 us faster on the H100 (benchmarks/NOTES.md, entry 20). Every decode body asks here."""
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+@triton.jit
+def _advance_seq_lens_after_last_tile(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_tiles):
+    """Writes ``seq_lens[batch]`` once every tile of the row has finished with it (read it, and merged).
+
+    acq_rel orders each tile's reads of seq_lens before its ticket, so the last taker may write.
+    """
+    row_ticket_ptr = row_tickets_ptr + batch
+    if tl.atomic_add(row_ticket_ptr, 1, sem="acq_rel") == num_tiles - 1:
+        tl.store(seq_lens_ptr + batch, new_seq_len)
+        tl.atomic_xchg(row_ticket_ptr, 0)
 
 
 @triton.jit
@@ -126,7 +150,7 @@ def merge_kv_splits(
     seq_lens: torch.Tensor,
     query_lens: torch.Tensor | None,
 ) -> None:
-    """Writes ``out`` from the partials of :func:`attention_with_kv_cache_triton` and advances ``seq_lens``."""
+    """Writes ``out`` from the partials of a split attention launch and advances ``seq_lens``."""
     batch, num_q_heads, num_new, head_dim = out.shape
     num_splits = partial_out.shape[1]
     use_pdl = uses_programmatic_launch(out.device)

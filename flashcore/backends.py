@@ -1,0 +1,44 @@
+"""Where a call runs: the backend names, the dtypes every backend takes, and the two questions of the execution
+context that decide what a call may do (is the Triton interpreter on; is a CUDA graph being captured or
+``torch.compile`` tracing).
+
+Every layer asks these here, so the answers (and their error messages) are the same in ops, the layer ops and the
+HF integration.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def triton_interpreter_enabled() -> bool:
+    """Whether Triton runs kernels on the CPU (``TRITON_INTERPRET=1``, which must be set before triton is imported)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def is_capturing_or_tracing() -> bool:
+    """Whether host reads are forbidden now: ``torch.compile`` is tracing, or a CUDA graph is being captured."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
+    """``"auto"`` → ``"triton"`` on CUDA or under the interpreter, ``"torch"`` otherwise; a named backend is checked
+    against the tensor's device and returned. Nothing ever falls back from one backend to the other."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    runs_triton = tensor.is_cuda or triton_interpreter_enabled()
+    if backend == "auto":
+        return "triton" if runs_triton else "torch"
+    if backend == "triton" and not runs_triton:
+        raise NotImplementedError(
+            f"backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported to run "
+            f"the kernels on the CPU; got tensors on {tensor.device}. Use backend='torch' (or 'auto') on the CPU."
+        )
+    return backend
