@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import textwrap
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -53,6 +54,12 @@ REFERENCE_PATH = "stock_static_compiled"
 # A second bench_generate run beside bench_generate.json, for the cells the first one skipped (its time budget).
 GENERATE_SECOND_RUN = "bench_generate_b16.json"
 EXTRA_RUN_MARK = "†"
+
+
+def _wrap(text: str) -> str:
+    """A paragraph or a ``- `` bullet, wrapped at the repository's line length (tables stay one line per row)."""
+    indent = "  " if text.startswith("- ") else ""
+    return textwrap.fill(text, width=120, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
 
 
 def _load(path: Path) -> dict:
@@ -129,8 +136,8 @@ def attention_block(payload: dict, json_name: str = "bench_attention.json") -> s
         graph = [r["ratio_graph"] for r in decode if r.get("ratio_graph") is not None]
         eager = [r["ratio_eager"] for r in decode if r.get("ratio_eager") is not None]
         lines.append(
-            f"- Decode, {len(decode)} calls: flashcore is {min(graph):.2f}× to {max(graph):.2f}× SDPA under CUDA-graph "
-            f"replay and {min(eager):.2f}× to {max(eager):.2f}× eagerly."
+            f"- Decode, {len(decode)} calls: flashcore runs {min(graph):.2f}× to {max(graph):.2f}× as fast as SDPA "
+            f"under CUDA-graph replay, and {min(eager):.2f}× to {max(eager):.2f}× as fast eagerly."
         )
         large = [r for r in decode if r.get("kv_read_mb", 0) >= 128 and r.get("fc_pct_of_copy") is not None]
         if large and copy_tb:
@@ -148,7 +155,7 @@ def attention_block(payload: dict, json_name: str = "bench_attention.json") -> s
             )
     if prefill:
         ratios = [r["ratio_eager"] for r in prefill]
-        lines.append(f"- Causal prefill: {min(ratios):.2f}× to {max(ratios):.2f}× SDPA.")
+        lines.append(f"- Causal prefill: {min(ratios):.2f}× to {max(ratios):.2f}× as fast as SDPA.")
     lines += [
         "",
         "| call | heads H_q/H_kv, D | B | timed | flashcore µs | SDPA µs | SDPA ÷ flashcore | flashcore achieved "
@@ -164,7 +171,7 @@ def attention_block(payload: dict, json_name: str = "bench_attention.json") -> s
             f"{'graph replay' if mode == 'graph' else 'eager'} | {fc_us:.1f} | {sdpa_us:.1f} | "
             f"{_ratio(r.get(f'ratio_{mode}'))} | {_attention_achieved(r, copy_tb)} | {host} |"
         )
-    return "\n".join(lines)
+    return "\n".join(line if line.startswith("|") else _wrap(line) for line in lines)
 
 
 def _tokens(payload: dict, path: str, batch: int) -> str:
@@ -229,9 +236,9 @@ def generate_block(payload: dict, extra: dict | None = None, json_name: str = "b
         base = ", ".join(f"{reference[b]['tok_per_s']:.1f} tok/s at B={b}" for b in sorted(reference))
         lines.append("")
         lines.append(
-            f"The main run's time budget ran out before the cells marked {EXTRA_RUN_MARK}; they come from a second "
-            f"run ({_run(extra)}; {_raw_data(GENERATE_SECOND_RUN)}), and their ratio is against that run's "
-            f"own HF reference ({base})."
+            f"The main run's time budget ran out before the cells marked {EXTRA_RUN_MARK}. They come from a second "
+            f"run: {_run(extra)}; {_raw_data(GENERATE_SECOND_RUN)}. Their ratio is against that run's own HF "
+            f"reference ({base})."
         )
     per_batch = " | ".join(f"B={b} tok/s" for b in batches)
     slash = " / ".join(f"B={b}" for b in batches)
@@ -242,7 +249,7 @@ def generate_block(payload: dict, extra: dict | None = None, json_name: str = "b
         "|---|" + "---|" * (len(batches) + 3),
         *table,
     ]
-    return "\n".join(lines)
+    return "\n".join(line if line.startswith("|") else _wrap(line) for line in lines)
 
 
 def replace_block(text: str, name: str, body: str) -> str:
