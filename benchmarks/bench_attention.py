@@ -492,7 +492,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--headroom", type=int, default=256, help="cache slots past L (S_max = L + headroom)")
     parser.add_argument("--eager-iters", type=int, default=50, help="timed eager calls per side per row")
     parser.add_argument("--graph-replays", type=int, default=20, help="timed graph replays per side per row")
-    # 9 samples let one burst of load on the device machine's shared host move a row's median by 12-20 us (two
+    # 9 samples let one burst of load on the GPU host's shared CPUs move a row's median by 12-20 us (two
     # runs of NOTES.md entry 34, each on a different row); 21 cost ~0.5 s more per row.
     parser.add_argument("--host-samples", type=int, default=21, help="host-time samples per side per row")
     parser.add_argument(

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One GPU round through the device tool: environment + install, the core test suite on CUDA, compute-sanitizer
+# One GPU round: environment + install, the core test suite on CUDA, compute-sanitizer
 # memcheck on three small calls, bench_attention.py and bench_generate.py. Each step's output goes to
 # $OUT/<step>.log (tee'd), a failing step never stops the next, and every step runs under a timeout cut from
-# one overall budget, so the whole call ends by itself inside the tool's 10-minute limit.
+# one overall budget, so the whole round ends by itself inside a 10-minute limit.
 #
 #   bash benchmarks/gpu_round.sh                    # = tests,sanitize,attention (attention gets what is left)
 #   bash benchmarks/gpu_round.sh generate           # ~5-8 min: bench_generate.py, in a second call
@@ -15,7 +15,7 @@
 #   TESTS_MAX_S (default 270)     seconds for the tests step (the whole suite once took 321 s: give a tests-only round more)
 #   BENCH_ATTENTION_ARGS, BENCH_GENERATE_ARGS   extra benchmark arguments (e.g. --quick)
 #   FLASHCORE_GIT_COMMIT          the commit to record in the JSON when the copy there has no .git
-# The device tool returns at most 8 files from $OUT; past that, PNGs and the junit XML are packed into one tar.
+# At most 8 files are collected from $OUT; past that, PNGs and the junit XML are packed into one tar.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 REPO=$PWD
@@ -173,14 +173,14 @@ for step in "${REQUESTED[@]}"; do
     esac
 done
 
-# The device tool brings back at most 8 files: keep logs and JSON as files, pack the rest if needed.
+# At most 8 files are collected: keep logs and JSON as files, pack the rest if needed.
 mapfile -t FILES < <(find "$OUT" -maxdepth 1 -type f | sort)
 if ((${#FILES[@]} > 8)); then
     shopt -s nullglob
     EXTRAS=("$OUT"/*.png "$OUT"/*.xml "$OUT"/*.tmp)
     if ((${#EXTRAS[@]})) && tar -cf "$OUT/extras.tar" -C "$OUT" "${EXTRAS[@]##*/}"; then
         rm -f -- "${EXTRAS[@]}"
-        echo "packed ${EXTRAS[*]##*/} into $OUT/extras.tar (the device tool returns at most 8 files)"
+        echo "packed ${EXTRAS[*]##*/} into $OUT/extras.tar (at most 8 files are collected)"
     fi
 fi
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 NOMINAL_TB_PER_S = 3.0  # H100 SXM HBM3, the ceiling issue 5 counts against (copy measured 3.02 TB/s)
-NOMINAL_TFLOPS = 790.0  # H100 dense bf16 matmul as measured on the device machine (issue 5)
+NOMINAL_TFLOPS = 790.0  # H100 dense bf16 matmul as measured on the H100 test host (issue 5)
 L2_FLUSH_BYTES = 256 * 1024 * 1024  # triton.testing.do_bench zeroes this much before each call
 # The rotating input sets of a graph replay aim to add up to this, five times the H100's 50 MB L2, so one call's
 # K/V is long evicted when the same set comes round again (at most MAX_ROTATION_SETS: B1 L1k gets 32 x 4.2 MB).
@@ -48,7 +48,7 @@ TIMED_CALL_LEAD_CYCLES = 500_000
 
 
 def resolve_out_dir(out: str | None) -> Path:
-    """``--out``, else ``$OUT`` (the device machine's result folder), else ``benchmarks/results``."""
+    """``--out``, else ``$OUT`` (a GPU run's result folder), else ``benchmarks/results``."""
     path = Path(out or os.environ.get("OUT") or Path(__file__).resolve().parent / "results")
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -58,7 +58,7 @@ def git_commit() -> str:
     """$FLASHCORE_GIT_COMMIT if set, else HEAD (with "-dirty" if the tree has uncommitted or untracked files), else
     "unknown".
 
-    The device machine receives a copy of the working tree whose .git may be missing or stale (an older commit's),
+    A GPU host may receive a copy of the working tree whose .git is missing or stale (an older commit's),
     so whoever launches the run there passes the commit in FLASHCORE_GIT_COMMIT, and it wins."""
     if os.environ.get("FLASHCORE_GIT_COMMIT"):
         return os.environ["FLASHCORE_GIT_COMMIT"]

@@ -2,7 +2,7 @@
 
 ``kernel[grid](*args)`` re-derives the kernel's specialisation from every argument on every call (dtype and
 16-byte alignment of each pointer, ``== 1`` and ``% 16`` of each integer) before it finds the compiled kernel
-and calls its launcher. On the device machine's host that binder costs three times the launch itself
+and calls its launcher. On the H100 test host that binder costs three times the launch itself
 (attention kernel, 46 arguments: 51 us through ``kernel[grid]``, 12.5 us calling the compiled launcher
 directly; benchmarks/NOTES.md, entry 23). A decode call is a few microseconds of GPU work, so in eager mode
 this host cost is the call's cost.
@@ -53,7 +53,7 @@ def _launch_hooks_set() -> bool:
 
 
 def _is_hook_set(hook) -> bool:
-    # In recent triton (3.6 on the device machine, 3.9 on CI) each hook is a HookChain that is always there, and
+    # In recent triton (3.6 on the H100 test host, 3.9 on CI) each hook is a HookChain that is always there, and
     # an empty chain means no hook. Testing ``is not None`` alone took it for a hook: on triton 3.6 every call
     # went through the JIT (NOTES.md, entry 23).
     calls = getattr(hook, "calls", None)
@@ -120,7 +120,7 @@ class CachedLauncher:
         """The launch's signature, or None for an argument type this does not key (the JIT path takes it).
 
         Exact type tests rather than isinstance: this runs on every eager call, over ~46 arguments, and on the
-        device machine's host the isinstance chain was several microseconds of it (NOTES.md, entry 23).
+        H100 test host the isinstance chain was several microseconds of it (NOTES.md, entry 23).
         Subclasses (a bool, a tensor subclass) are not keyed and take the JIT path.
         """
         key = [grid, *options.items(), device, *constexprs.values()]

@@ -38,7 +38,8 @@ except ImportError:
 __all__ = [
     "HAS_GLUON", "TensorDescriptor", "advance_seq_lens_after_last_program", "fence_async_shared", "gl", "gluon",
     "mbarrier", "merge_kv_splits", "mma_v2", "online_softmax_step", "partition_barrier", "runs_on", "tile_descriptor",
-    "CacheTileGrid", "cache_tile_grid", "cached_tile_descriptor", "tma_load", "warpgroup_mma", "warpgroup_mma_wait",
+    "CacheTileGrid", "cache_tile_grid", "cached_tile_descriptor", "streams_cache", "tma_load", "warpgroup_mma",
+    "warpgroup_mma_wait",
 ]  # fmt: skip
 
 if HAS_GLUON:
@@ -123,6 +124,24 @@ def runs_on(device: torch.device) -> bool:
     if not HAS_GLUON or device.type != "cuda" or triton_interpreter_enabled():
         return False
     return torch.cuda.get_device_capability(device)[0] == 9
+
+
+def streams_cache(call, head_dims: tuple[int, ...]) -> bool:
+    """What both Gluon kernels need of a call, besides their own shape rules: an sm_90 GPU, fp16/bf16, a head dim
+    they were built for, no window, and K/V caches their TMA descriptors can walk (one layout
+    :func:`cache_tile_grid` takes, shared by K and V, 16-byte aligned, coordinates within int32)."""
+    query, k_cache, v_cache = call.query, call.k_cache, call.v_cache
+    return (
+        runs_on(query.device)
+        and call.sliding_window == 0
+        and query.dtype in (torch.float16, torch.bfloat16)
+        and query.shape[-1] in head_dims
+        and k_cache.stride() == v_cache.stride()
+        and cache_tile_grid(k_cache) is not None
+        and k_cache.data_ptr() % 16 == 0
+        and v_cache.data_ptr() % 16 == 0
+        and k_cache.shape[0] * k_cache.shape[1] * k_cache.shape[2] < 2**31  # TMA coordinates are int32
+    )
 
 
 @functools.cache

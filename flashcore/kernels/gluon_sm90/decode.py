@@ -58,22 +58,14 @@ CONFIG = configs.GLUON_DECODE
 
 def supports(call: KernelCall) -> bool:
     """Whether this kernel can run a (validated) call: see the module docstring for the list."""
-    query, key, value, k_cache, v_cache, _, _, _, _, sliding_window = call
-    batch, num_q_heads, num_new, head_dim = query.shape
-    if num_new != 1 or not common.runs_on(query.device):
+    query, key, value = call.query, call.key, call.value
+    if query.shape[2] != 1:  # first: ops asks on every call
         return False
-    num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+    group = query.shape[1] // key.shape[1]
     return (
-        sliding_window == 0
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and head_dim in CONFIG.head_dims
-        and num_q_heads // num_kv_heads <= CONFIG.block_m
+        group <= CONFIG.block_m
         and query.stride(3) == key.stride(3) == value.stride(3) == 1
-        and k_cache.stride() == v_cache.stride()
-        and common.cache_tile_grid(k_cache) is not None
-        and k_cache.data_ptr() % 16 == 0
-        and v_cache.data_ptr() % 16 == 0
-        and batch * num_kv_heads * capacity < 2**31  # TMA coordinates are int32
+        and common.streams_cache(call, CONFIG.head_dims)
     )
 
 

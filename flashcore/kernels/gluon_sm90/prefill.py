@@ -49,24 +49,16 @@ CONFIG = configs.GLUON_PREFILL
 
 def supports(call: KernelCall) -> bool:
     """Whether this kernel can run a (validated) call: see the module docstring for the list."""
-    query, key, value, k_cache, v_cache, _, query_lens, is_causal, _, sliding_window = call
-    batch, num_q_heads, num_new, head_dim = query.shape
+    query, key, value = call.query, call.key, call.value
+    batch, num_q_heads, num_new, _ = query.shape
     if num_new < CONFIG.min_new_tokens:  # first: ops asks on every call, decode steps included
         return False
-    if not common.runs_on(query.device):
-        return False
-    num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     return (
-        is_causal
-        and query_lens is None
-        and sliding_window == 0
-        and query.dtype in (torch.float16, torch.bfloat16)
-        and head_dim in CONFIG.head_dims
-        and all(t.is_contiguous() for t in (query, key, value))
-        and all(t.data_ptr() % 16 == 0 for t in (query, key, value, k_cache, v_cache))
-        and common.cache_tile_grid(k_cache) is not None
-        and k_cache.stride() == v_cache.stride()
-        and batch * max(num_q_heads * num_new, num_kv_heads * capacity) < 2**31  # TMA coordinates are int32
+        call.is_causal
+        and call.query_lens is None
+        and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (query, key, value))
+        and batch * num_q_heads * num_new < 2**31  # TMA coordinates are int32
+        and common.streams_cache(call, CONFIG.head_dims)
     )
 
 
