@@ -129,7 +129,7 @@ def attention_with_kv_cache(
         resolved_backend,
     )
     # The registered op is what torch.compile traces; in eager mode we skip the dispatcher's per-call
-    # overhead (tens of microseconds) because a decode step is only a few microseconds of GPU work.
+    # overhead, because it is host time larger than a decode step's GPU work.
     if torch.compiler.is_compiling():
         out = torch.ops.flashcore.attention_with_kv_cache(*args)
     else:

@@ -35,7 +35,7 @@ class GluonDecodeConfig:
 
     head_dims: tuple[int, ...] = (64, 128)  # the head dims measured and tested on the H100
     block_m: int = 16  # one mma.sync row tile: the GQA group, padded
-    num_stages: int = 2  # 3 stages: 1-5% slower on each split row (NOTES.md, entry 30)
+    num_stages: int = 2  # 3 stages were slower on every split row on the H100 (NOTES.md, entry 30)
     num_consumer_warps: int = 4
     # Registers per thread at launch: 2 programs of (4 consumer + 4 producer-group) warps per SM. The producer warp
     # gives all but 24 back (setmaxnreg), so the consumers may use up to 232.
@@ -87,12 +87,12 @@ def attention_config(
         block_m = max(16, triton.next_power_of_2(packed_rows))
         # GQA decode with three or more programs per SM: fewer registers and less shared memory per program
         # keep more of them, and more loads, in flight. H100 (NOTES.md, entries 14 and 22): at D 128, one-warp
-        # programs with two KV splits each, B64 L1k 116.2 -> 109.0 us (SDPA 112.8), L4k and L32k within 0.3%.
-        # At B32 (1.9 programs per SM) the same config gained 2.5% under graph replay but took the split path's
-        # host cost, 20 us over SDPA's per eager call then (before the launcher fix of entry 23; not re-measured
-        # since), so it stays below this line. Other head dims keep 4 warps with BLOCK_N 32 (SmolLM2's D 64 lost
-        # with one warp: B64 L4k 78.4 -> 85.1 us); MHA lost with BLOCK_N 32 (B32 L4k: 725 vs 710 us), and so did
-        # GQA with fewer programs.
+        # programs with two KV splits each were faster at B64 L1k, from behind SDPA to ahead of it, and level at
+        # L4k and L32k. At B32 (1.9 programs per SM) the same config gained a little under graph replay but took
+        # the split path's host cost, above SDPA's per eager call then (before the launcher fix of entry 23; not
+        # re-measured since), so it stays below this line. Other head dims keep 4 warps with BLOCK_N 32 (SmolLM2's
+        # D 64 lost with one warp at B64 L4k); MHA lost with BLOCK_N 32 (B32 L4k), and so did GQA with fewer
+        # programs.
         is_many_gqa_programs = packed_rows > 1 and batch_kv_heads >= 3 * num_sms(device)
         if is_many_gqa_programs and head_dim_pad == 128:
             return AttentionConfig(block_m=block_m, block_n=32, num_warps=1, num_stages=2, kv_splits=2)
@@ -115,7 +115,7 @@ def new_tokens_tile(num_new: int) -> int:
 
     With few new tokens (decode), the kernel loads their K/V before streaming the cached prefix and attends to
     them after it, so the load's latency overlaps the stream. H100 graph replay, same run (NOTES.md, entry 27):
-    B32 L1k 58.3 -> 56.6 us, B1 L32k 53.3 -> 52.2, smol B64 L4k 78.7 -> 77.4. 16 is the smallest tile
+    faster at B32 L1k, B1 L32k and smol B64 L4k. 16 is the smallest tile
     ``tl.dot`` takes; more new tokens than that take the loop, whose tiles are pipelined.
     """
     return NEW_TOKENS_TILE if num_new <= NEW_TOKENS_TILE else 0
@@ -130,7 +130,7 @@ def rows_per_launch_group(
     another. All rows in one group shortens the causal tail wave most, but once the K/V that the running programs
     stream outgrow L2, tiles that later M blocks of a row will read again are evicted. So a group holds as many
     rows as fit in half of L2. H100 prefill, B1 32/8 D128, same run (NOTES.md, entry 24), against M-major order:
-    S2k 0.79x -> 0.91x SDPA (all 8 rows, 8 MB); S32k 0.815x with one row per group, 0.791x with all 8 (128 MB).
+    S2k gained with all 8 rows in one group (8 MB); at S32k (128 MB) one row per group was faster than all 8.
     """
     if num_m_blocks == 1:
         return num_rows  # decode: the order is the identity whatever the group
@@ -156,8 +156,8 @@ def num_kv_splits(num_programs: int, capacity: int, device: torch.device, wanted
     """FA3's idea: the fewest splits of the cached prefix that fill the SMs in one wave (or ``wanted``, a
     config's own choice), and never a split shorter than one key tile.
 
-    Rounded down: a second, partial wave costs more than the SMs left idle (H100, B8 L4k decode: 51.9 us
-    with 2 splits = 128 programs, 53.9 us with 3). The real lengths are on the device, so the cache
+    Rounded down: a second, partial wave costs more than the SMs left idle (H100, B8 L4k decode: 2 splits =
+    128 programs were faster than 3; NOTES.md, entry 3). The real lengths are on the device, so the cache
     capacity ``S_max`` bounds the work instead; splits of a short row end early and merge as empty.
     """
     sms = num_sms(device)
@@ -178,10 +178,9 @@ def gluon_decode_block_n(head_dim: int, num_programs: int, num_splits: int, capa
     Why only there. A program alone on its SM pays a barrier handoff per tile that no other program hides, so
     halving the tiles helps; where programs share an SM they hide each other's, and the 8 KiB tile was faster.
     And a split shorter than 128 keys would run past its end in 128-key steps, leaving splits idle. H100, graph
-    replay, SmolLM2's 9/3 heads (benchmarks/NOTES.md, entry 33), 64 -> 128 keys, best of two: B1 L4k 7.75 -> 7.39
-    us, B8 L4k 14.71 -> 14.00, B1 L32k 15.71 -> 15.18, B16 L1k 10.76 -> 9.89, B32 L1k 15.61 -> 13.56; against it,
-    B1 L1k (splits of 64 keys) 4.96 -> 5.64 and B64 L4k (192 programs) 73.98 -> 76.19. At D 128 a 128-key tile
-    (32 KiB) was slower on 5 of the 6 one-wave rows tried (entry 33).
+    replay, SmolLM2's 9/3 heads (benchmarks/NOTES.md, entry 33), 128 keys against 64: faster at B1 L4k, B8 L4k,
+    B1 L32k, B16 L1k and B32 L1k; slower at B1 L1k (splits of 64 keys) and B64 L4k (192 programs). At D 128 a
+    128-key tile (32 KiB) was slower on 5 of the 6 one-wave rows tried (entry 33).
     """
     split_keys = -(-capacity // num_splits)
     keeps_splits = -(-split_keys // 64) % 2 == 0  # the split, in 64-key tiles, is a whole number of 128-key ones

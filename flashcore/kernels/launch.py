@@ -2,10 +2,9 @@
 
 ``kernel[grid](*args)`` re-derives the kernel's specialisation from every argument on every call (dtype and
 16-byte alignment of each pointer, ``== 1`` and ``% 16`` of each integer) before it finds the compiled kernel
-and calls its launcher. On the H100 test host that binder costs three times the launch itself
-(attention kernel, 46 arguments: 51 us through ``kernel[grid]``, 12.5 us calling the compiled launcher
-directly; benchmarks/NOTES.md, entry 23). A decode call is a few microseconds of GPU work, so in eager mode
-this host cost is the call's cost.
+and calls its launcher. On the H100 test host that binder is most of a launch's host time (attention kernel,
+46 arguments: ``kernel[grid]`` against calling the compiled launcher directly; benchmarks/NOTES.md, entry 23).
+A decode call's GPU work is shorter than that, so in eager mode this host cost is the call's cost.
 
 The first launch of a signature goes through Triton's JIT (which compiles if needed) and keeps the compiled
 kernel. Later launches with the same signature call its launcher directly. The signature is exact: the grid,
@@ -120,7 +119,7 @@ class CachedLauncher:
         """The launch's signature, or None for an argument type this does not key (the JIT path takes it).
 
         Exact type tests rather than isinstance: this runs on every eager call, over ~46 arguments, and on the
-        H100 test host the isinstance chain was several microseconds of it (NOTES.md, entry 23).
+        H100 test host the isinstance chain was a measurable part of it (NOTES.md, entry 23).
         Subclasses (a bool, a tensor subclass) are not keyed and take the JIT path.
         """
         key = [grid, *options.items(), device, *constexprs.values()]

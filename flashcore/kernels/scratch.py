@@ -36,8 +36,8 @@ _partial_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 def split_partials(rows: int, num_splits: int, head_dim: int, device: torch.device):
     """Views ``[rows, splits, D]`` (outputs) and ``[rows, splits]`` (LSEs) into the persistent scratch buffer.
 
-    The views are cached per shape: slicing and viewing cost a few microseconds of host time per call, which is
-    most of what an eager decode call is.
+    The views are cached per shape: slicing and viewing cost host time on every call, and host time is most of
+    what an eager decode call costs.
     """
     buffer = scratch_buffer("partials", rows * num_splits * (head_dim + 1), torch.float32, device)
     key = (id(buffer), rows, num_splits, head_dim)

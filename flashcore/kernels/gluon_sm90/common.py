@@ -118,8 +118,8 @@ if HAS_GLUON:
 def runs_on(device: torch.device) -> bool:
     """Whether the Gluon kernels can run on ``device``: an sm_90 GPU, not the interpreter.
 
-    Cached: ops asks on every call, and the capability query alone cost 2.5-5 us of host time on the H100
-    machine (benchmarks/NOTES.md, entry 31).
+    Cached: ops asks on every call, and the capability query was a large part of the Gluon path's eager host
+    time on the H100 machine (benchmarks/NOTES.md, entry 31).
     """
     if not HAS_GLUON or device.type != "cuda" or triton_interpreter_enabled():
         return False

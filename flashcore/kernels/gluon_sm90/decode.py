@@ -11,8 +11,8 @@ Triton kernel's software pipeline keeps a block barrier at every stage handoff, 
 (benchmarks/NOTES.md, entries 26-28). Triton 3.6 does not warp-specialise that loop. Here the roles are split by
 hand, FA3/FlashInfer style: the producer waits only for a stage to be ``empty`` and issues its TMA copies; the
 consumers wait only for it to be ``ready``. The producer also takes the row's ``seq_lens`` ticket, so the
-consumers' tail is the output store. H100, graph replay, same run: 0-16% less time than the Triton kernel on
-each of 20 decode rows of bench_attention, most on the short ones (B1 L1k 7.9 -> 7.0 us; NOTES.md, entry 30).
+consumers' tail is the output store. H100, graph replay, same run: faster than the Triton kernel or level with
+it on each of 20 decode rows of bench_attention, most on the short ones such as B1 L1k (NOTES.md, entry 30).
 
 Grid ``(B * H_kv, KV splits)``, GQA packed as in the Triton kernel: one program attends the ``GROUP`` query heads
 of one KV head, padded to a 16-row mma.sync tile. The cached prefix ``[0, L_b)`` is split into equal runs of key
@@ -329,7 +329,7 @@ def run(call: KernelCall) -> torch.Tensor:
     batch, num_q_heads, _, head_dim = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    out = query.new_empty(query.shape)  # contiguous; new_empty is ~0.4 us cheaper than torch.empty (host time)
+    out = query.new_empty(query.shape)  # contiguous; less host time than torch.empty (NOTES.md, entry 35)
     if batch == 0:
         return out
     block_n, num_splits, splits_pad, merge_rows = _launch_plan(
@@ -346,7 +346,7 @@ def run(call: KernelCall) -> torch.Tensor:
     else:
         partial_out = partial_lse = out  # unused without USE_SPLIT_KV
     use_pdl = uses_programmatic_launch(query.device)
-    # One stride() per tensor: six stride(i) calls cost ~0.8 us more of host time.
+    # One stride() per tensor: six stride(i) calls cost more host time (NOTES.md, entry 35).
     stride_q, stride_k, stride_v = query.stride(), key.stride(), value.stride()
     k_desc, grid = cached_tile_descriptor(k_cache, block_n)
     v_desc = cached_tile_descriptor(v_cache, block_n)[0]  # the same grid: supports() checked the strides

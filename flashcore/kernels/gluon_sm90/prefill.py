@@ -9,8 +9,8 @@ window, fp16/bf16, ``D`` in ``configs.GLUON_PREFILL.head_dims``, contiguous q/k/
 Why: the Triton kernel's two warpgroups run their softmax and their MMAs in lockstep behind block barriers, so the
 tensor cores idle while the softmax runs (NOTES.md, entries 9 and 26). FA3 splits a program's 128 query rows
 between two consumer warpgroups and a producer; here each consumer runs its own online softmax with wgmma, and
-with no barrier between them one's softmax overlaps the other's MMAs. H100, B1, 32/8 heads: 0.87-0.98x SDPA at
-S 2k-16k against the Triton kernel's 0.78-0.85x (NOTES.md, entry 30).
+with no barrier between them one's softmax overlaps the other's MMAs. H100, B1, 32/8 heads, S 2k-16k: faster
+than the Triton kernel at every length and close to SDPA, though still behind it (NOTES.md, entry 30).
 
 Grid ``(ceil(S_q / 128), B * H_q)``, heaviest query block first. Keys are the cached prefix ``[0, L_b)`` (cache
 tiles) then the new tokens (key/value tiles, causal on the diagonal). The programs of one KV head's first query
@@ -271,7 +271,7 @@ def run(call: KernelCall) -> torch.Tensor:
     num_m_blocks = -(-num_new // CONFIG.block_m)
     k_cache_desc, grid = cached_tile_descriptor(k_cache, CONFIG.block_n)
     v_cache_desc = cached_tile_descriptor(v_cache, CONFIG.block_n)[0]  # the same grid: supports() checked the strides
-    # The cached launch path: through the JIT, a 2k-token call was host-bound (2.4x the kernel; NOTES.md, entry 30).
+    # The cached launch path: through the JIT, a 2k-token call was host-bound (NOTES.md, entry 30).
     _launch_prefill(
         (num_m_blocks, batch * num_q_heads, 1),
         (

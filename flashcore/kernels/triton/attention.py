@@ -284,7 +284,7 @@ def _launch_plan(
     packed_rows: int, head_dim: int, batch_kv_heads: int, capacity: int, element_bytes: int, device: torch.device
 ) -> _LaunchPlan:
     """Config, M blocks, KV splits and launch-order groups depend on shapes only, so they are computed once per
-    shape (and so is every ``triton.next_power_of_2``: on triton 3.9 one call per launch cost ~6 us of host
+    shape (and so is every ``triton.next_power_of_2``: on triton 3.9 one call per launch cost measurable host
     time, NOTES.md entry 23)."""
     config = configs.attention_config(packed_rows, head_dim, batch_kv_heads, element_bytes, device)
     num_m_blocks = triton.cdiv(packed_rows, config.block_m)

@@ -10,9 +10,9 @@ a normalised partial output and its log2-sum-exp. :func:`_merge_kv_splits` combi
 (the launcher picks; benchmarks/NOTES.md, entry 20):
 
 - inside the attention launch, by the program that takes a tile's last split ticket. One launch instead of
-  two saved 22-72 us of host time per eager call on the H100 host, the dominant cost of an eager decode call;
+  two saved host time per eager call on the H100 host, where host time is the dominant cost of an eager decode call;
 - in :func:`merge_kv_splits`, a second launch. Under CUDA-graph replay there is no host cost, and this is
-  1-3 us faster on the H100: the in-launch merge waits on a fence, an atomic and the L2 loads in one program.
+  faster on the H100: the in-launch merge waits on a fence, an atomic and the L2 loads in one program.
 
 Both run the same helper and give bitwise the same output. Either way no split's load waits on another's:
 walking the splits with dependent loads was a serial chain of L2 latencies (entry 2).
@@ -29,7 +29,7 @@ from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 def merges_in_attention_launch(device: torch.device) -> bool:
     """Where a split prefix is merged: in the attention launch when running eagerly, where a second launch's
     host cost dominates; in a second launch while a CUDA graph is captured, because replay has no host cost and
-    the separate merge is 1-3 us faster on the H100 (benchmarks/NOTES.md, entry 20). Every decode body asks here."""
+    the separate merge is faster on the H100 (benchmarks/NOTES.md, entry 20). Every decode body asks here."""
     return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
@@ -125,8 +125,8 @@ def _merge_kv_splits_kernel(
         # its last reads of seq_lens) before the first load.
         gdc_wait()
         # A PDL launch after this one (the next decode call) may then launch while the merge runs, and wait in
-        # its own gdc_wait, so that its launch latency hides behind the merge (0.36-0.65 us a call on the H100's
-        # B1 split decode rows, L <= 4k; benchmarks/NOTES.md, entry 34).
+        # its own gdc_wait, so that its launch latency hides behind the merge (faster on the H100's B1 split
+        # decode rows, L <= 4k; benchmarks/NOTES.md, entry 34).
         gdc_launch_dependents()
     _merge_kv_splits(
         partial_out_ptr, partial_lse_ptr, out_ptr, rows, tl.full([1], 1, tl.int1), num_splits,
