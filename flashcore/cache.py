@@ -29,12 +29,10 @@ def allocate_kv_cache(
     The K and V buffers are uninitialised (``torch.empty``): the contract guarantees that memory past
     ``seq_lens`` never reaches an output, so there is nothing to zero.
 
-    Each is a ``[B, S_max, H_kv, D]`` buffer seen as ``[B, H_kv, S_max, D]``: a token's heads sit together, so
-    the decode programs of one sequence stream neighbouring memory (the ``[B, H_kv, S_max, D]`` view is what
-    every flashcore call and the torch backend read; any layout works, this one is the fastest measured). H100,
-    graph replay, 32/8 heads, D 128, against contiguous ``[B, H_kv, S_max, D]`` buffers (benchmarks/NOTES.md,
-    entry 35): B32 L1k 53.2-56.0 -> 50.2-50.5 us over three allocator placements, B64 L1k 97.1-104.5 -> 96.9-97.2,
-    B1 L4k 11.0 -> 10.7; SmolLM2's 9/3 heads at D 64 1-2% slower.
+    Each is a ``[B, S_max, H_kv, D]`` buffer seen as ``[B, H_kv, S_max, D]``: a token's heads sit together, so the
+    decode programs of one sequence stream neighbouring memory. The ``[B, H_kv, S_max, D]`` view is what every
+    flashcore call reads; any layout works, and this is the one the H100 kernels stream fastest
+    (benchmarks/NOTES.md, entry 35).
 
     Args:
         batch_size: B, the number of sequences.
