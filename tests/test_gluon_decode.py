@@ -177,7 +177,7 @@ def test_padding_rows_store_nothing_and_output_zero(seq_len, device, generator):
 def test_split_merge_placements_agree_bitwise(heads, head_dim, capacity, device, generator, monkeypatch):
     """Eager calls merge the splits in this kernel's launch (its Gluon copy of the merge), captured ones in
     the Triton merge launch. Both must give the same bits, or a graph-replayed decode loop picks other tokens
-    than an eager one (test_contract.py's test of the same name, for the Triton kernel)."""
+    than an eager one (test_contract_tiling.py's test of the same name, for the Triton kernel)."""
     seq_lens = [int(torch.randint(capacity // 2, capacity - 8, (1,), generator=generator)), 0, 70]
     inputs = _decode_inputs(generator, device, torch.bfloat16, heads=heads, head_dim=head_dim, seq_lens=seq_lens,
                             capacity=capacity)  # fmt: skip
