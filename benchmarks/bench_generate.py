@@ -367,38 +367,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"unknown paths {sorted(unknown)}; choose from {PATHS}")
     if args.new_tokens < 2 or args.n_timed < 1:
         parser.error("--new-tokens must be >= 2 and --n-timed >= 1")
+    if args.dry_run:
+        args.batches = [min(b, 2) for b in args.batches]
+        args.prompt_len, args.new_tokens, args.n_timed = min(args.prompt_len, 16), min(args.new_tokens, 4), 1
     return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     started = time.perf_counter()
-    if args.dry_run:
-        device = torch.device("cpu")
-        args.batches = [min(b, 2) for b in args.batches]
-        args.prompt_len, args.new_tokens, args.n_timed = min(args.prompt_len, 16), min(args.new_tokens, 4), 1
-    elif not torch.cuda.is_available():
-        raise SystemExit("bench_generate.py needs a CUDA GPU (use --dry-run to test the script on the CPU)")
-    else:
-        device = torch.device("cuda")
-    out_dir = harness.resolve_out_dir(args.out)
-    json_path, png_path = out_dir / "bench_generate.json", out_dir / "bench_generate.png"
-    payload = {
-        "benchmark": "bench_generate",
-        "status": "running",
-        "dry_run": args.dry_run,
-        "environment": harness.environment(device),
-        "settings": vars(args),
-        "formulas": {
-            "tok_per_s": "B * new_tokens / median generate time (prefill included)",
-            "ms_per_step": "median generate time / new_tokens",
-            "decode_ms_per_step": "(median generate time - 1-token generate time) / (new_tokens - 1)",
-            "bandwidth_util_pct": Runner.bandwidth.__doc__
-            + " Over decode_ms_per_step (row's bandwidth_basis says if ms_per_step was used), against 3.0 TB/s.",
-        },
-        "rows": [],
+    formulas = {
+        "tok_per_s": "B * new_tokens / median generate time (prefill included)",
+        "ms_per_step": "median generate time / new_tokens",
+        "decode_ms_per_step": "(median generate time - 1-token generate time) / (new_tokens - 1)",
+        "bandwidth_util_pct": Runner.bandwidth.__doc__
+        + " Over decode_ms_per_step (row's bandwidth_basis says if ms_per_step was used), against 3.0 TB/s.",
     }
-    harness.log(f"bench_generate: {payload['environment'].get('gpu') or device}, results -> {json_path}")
+    device, payload, json_path, png_path = harness.start_run("bench_generate", args, formulas=formulas)
     enable_cudagraph_skip_logging()
     runner = Runner(args, device)
     payload["model"] = {
@@ -423,9 +408,7 @@ def main(argv=None) -> dict:
             payload["rows"].append(row)
             payload["agreement"] = agreement(runner)
             harness.write_json(json_path, payload)
-    payload["status"] = "complete"
-    payload["wall_s"] = round(time.perf_counter() - started, 1)
-    harness.write_json(json_path, payload)
+    harness.finish_run(payload, json_path, started)
     harness.log(f"\n== HF generate, prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy ==")
     harness.log(harness.format_table(payload["rows"], COLUMNS))
     for name, result in payload["agreement"].items():
@@ -435,13 +418,7 @@ def main(argv=None) -> dict:
             harness.log(f"{row['status']}: {row['path']} B={row['B']}: {row.get('error') or row.get('reason')}")
         if row.get("skipping_cudagraphs"):
             harness.log(f"{row['path']} B={row['B']}: {row['skipping_cudagraphs'][0][:300]}")
-    try:
-        import plot
-
-        plot.plot_generate(payload, png_path)
-        harness.log(f"wrote {json_path} and {png_path}")
-    except Exception as error:  # noqa: BLE001  (the JSON is the result; plot.py can redraw the picture)
-        harness.log(f"wrote {json_path}; plot failed: {error!r}")
+    harness.draw_plot("plot_generate", payload, json_path, png_path)
     return payload
 
 

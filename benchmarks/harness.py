@@ -18,6 +18,7 @@ The benchmark scripts import this file as a sibling module (``python benchmarks/
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -64,26 +65,19 @@ def git_commit() -> str:
         return os.environ["FLASHCORE_GIT_COMMIT"]
     fallback = "unknown"
     try:
-        result = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
+        result = _git("rev-parse", "HEAD")
     except (OSError, subprocess.SubprocessError):
         return fallback
     commit = result.stdout.strip()
     if result.returncode != 0 or not commit:
         return fallback
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain"],
-        cwd=Path(__file__).resolve().parent,
-        capture_output=True,
-        text=True,
-        timeout=10,
-    ).stdout.strip()
+    dirty = _git("status", "--porcelain").stdout.strip()
     return commit + ("-dirty" if dirty else "")
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    here = Path(__file__).resolve().parent
+    return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10)
 
 
 def environment(device: torch.device) -> dict:
@@ -127,6 +121,42 @@ def write_json(path: Path, payload: dict) -> None:
 
 def log(message: str) -> None:
     print(message, flush=True)
+
+
+def start_run(benchmark: str, args: argparse.Namespace, **sections) -> tuple[torch.device, dict, Path, Path]:
+    """The device (the CPU for ``--dry-run``, else the CUDA GPU, or exit saying how to test the script without one),
+    the run's payload (``sections`` go between its settings and its rows), and the paths of its JSON and PNG."""
+    if args.dry_run:
+        device = torch.device("cpu")
+    elif not torch.cuda.is_available():
+        raise SystemExit(f"{benchmark}.py needs a CUDA GPU (use --dry-run to test the script on the CPU)")
+    else:
+        device = torch.device("cuda")
+    out_dir = resolve_out_dir(args.out)
+    json_path, png_path = out_dir / f"{benchmark}.json", out_dir / f"{benchmark}.png"
+    payload = {"benchmark": benchmark, "status": "running", "dry_run": args.dry_run}
+    payload.update(environment=environment(device), settings=vars(args), **sections, rows=[])
+    log(f"{benchmark}: {payload['environment'].get('gpu') or device}, results -> {json_path}")
+    return device, payload, json_path, png_path
+
+
+def finish_run(payload: dict, json_path: Path, started: float) -> None:
+    """Marks the payload complete, with the run's wall time, and writes it."""
+    payload["status"] = "complete"
+    payload["wall_s"] = round(time.perf_counter() - started, 1)
+    write_json(json_path, payload)
+
+
+def draw_plot(plot_function: str, payload: dict, json_path: Path, png_path: Path) -> None:
+    """``plot.<plot_function>(payload, png_path)``, a failure only logged: the JSON is the result, and plot.py can
+    redraw the picture from it."""
+    try:
+        import plot
+
+        getattr(plot, plot_function)(payload, png_path)
+        log(f"wrote {json_path} and {png_path}")
+    except Exception as error:  # noqa: BLE001  (see the docstring)
+        log(f"wrote {json_path}; plot failed: {error!r}")
 
 
 def run_guarded(row: dict, body: Callable[[dict], None]) -> dict:
