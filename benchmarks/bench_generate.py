@@ -19,7 +19,7 @@ B in {1, 16}. Eleven paths, each warmed up with one full generate (compilation h
 - ``flashcore_session_fused``: ``DecodeSession(compile=True, fuse_projections=True)``: also one GEMM for q/k/v
   and one for gate/up per layer, on its own copy of the model (the fusion is in place);
 - ``kernels_eager``, ``kernels_compiled``, ``kernels_session``, ``kernels_session_compiled``: the first four
-  flashcore paths again, on a copy of the model with fused projections and ``use_layer_kernels`` (RMSNorm, RoPE and
+  flashcore paths again, on a copy of the model with ``fuse_projections=True, layer_kernels=True`` (RMSNorm, RoPE and
   SiLU-and-mul on flashcore's kernels, the same kernels on every path).
 
 Reported per row: tok/s = B * 256 / generate time, ms per step = time / 256 (issue 5's definition, prefill
@@ -181,15 +181,13 @@ class Runner:
         kernels too ("kernels")."""
         if variant not in self.flashcore_models and self.flashcore_error is None:
             try:
-                from flashcore.integrations.fused_projections import fuse_projections
-                from flashcore.integrations.layer_kernels import use_layer_kernels
                 from flashcore.integrations.llama import apply_flashcore_to_llama
 
-                model = apply_flashcore_to_llama(self.flashcore_bases[variant])
-                if variant in ("fused", "kernels"):
-                    fuse_projections(model)
-                if variant == "kernels":
-                    use_layer_kernels(model)
+                model = apply_flashcore_to_llama(
+                    self.flashcore_bases[variant],
+                    fuse_projections=variant in ("fused", "kernels"),
+                    layer_kernels=variant == "kernels",
+                )
                 self.flashcore_models[variant] = model
             except Exception as error:  # noqa: BLE001  (recorded on every flashcore row)
                 self.flashcore_error = f"{type(error).__name__}: {error}"

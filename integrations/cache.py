@@ -1,15 +1,16 @@
 """``FlashCoreCache``: a transformers ``Cache`` whose layers each own one flashcore ``(K, V, seq_lens)`` 3-tuple.
 
 The cache rules (what a row holds, where new tokens land, ``seq_lens += n``) are those of
-:func:`flashcore.attention_with_kv_cache`. This module only allocates the tuples and answers transformers'
-questions about them (lengths, mask sizes, beam reordering). It never writes K or V: ``update()`` returns the new
-keys and values untouched, and the attention function registered by :mod:`flashcore.integrations.llama` appends
-them in the same launch that attends.
+:func:`flashcore.attention_with_kv_cache`. The cache owns every duty around that call: it allocates the tuples,
+answers transformers' questions about them (lengths, mask sizes, beam reordering), and runs the call itself in
+:meth:`FlashCoreCache.append_and_attend`, which checks capacity, appends and attends in one launch, and advances
+the lengths. ``update()``, which transformers' attention calls first, copies nothing and returns its inputs.
 
-Two lengths are kept per layer. ``seq_lens[b]`` is row b's true token count; left padding is never stored, so rows
-differ. ``get_seq_length()`` is the *logical* length that ``generate`` expects: the number of attention-mask columns
-consumed so far, pads included, the same for every row. Both live in tensors, so a compiled decode step reads no
-Python int that changes per step.
+Two lengths are kept. ``seq_lens[b]`` (one per layer) is row b's true token count; left padding is never stored, so
+rows differ. ``get_seq_length()`` is the *logical* length that ``generate`` expects: the number of attention-mask
+columns consumed so far, pads included, the same for every row and every layer (one tensor per device, shared by
+its layers, advanced once per forward). Both live in tensors, so a compiled decode step reads no Python int that
+changes per step.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from flashcore.backends import BACKENDS, is_capturing_or_tracing
 from flashcore.cache import KVCache, allocate_kv_cache
+from flashcore.ops import attention_with_kv_cache
 
 DeviceLike = torch.device | str | int
 
@@ -28,7 +31,8 @@ class FlashCoreLayer(CacheLayerMixin):
     """One decoder layer's 3-tuple, allocated on the first ``update`` (or eagerly) on that layer's device.
 
     ``keys``/``values`` are the preallocated ``[B, H_kv, max_cache_len, D]`` buffers; slots at or past
-    ``seq_lens[b]`` hold garbage. ``logical_length`` is a 0-d int64 tensor (see the module docstring).
+    ``seq_lens[b]`` hold garbage. ``logical_length`` is a 0-d int64 tensor, shared with the other layers on the same
+    device (see the module docstring).
     """
 
     is_compileable = True
@@ -40,9 +44,13 @@ class FlashCoreLayer(CacheLayerMixin):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.seq_lens: torch.Tensor | None = None
-        self.logical_length = torch.zeros((), dtype=torch.int64)
+        self.logical_length: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise NotImplementedError("a FlashCoreLayer is allocated by its FlashCoreCache (it shares the logical length)")
+
+    def allocate(self, key_states: torch.Tensor, logical_length: torch.Tensor) -> None:
+        """Allocates the 3-tuple for keys like ``key_states`` (``[B, H_kv, *, D]``) on their device and dtype."""
         batch_size, num_kv_heads, _, head_dim = key_states.shape
         if (num_kv_heads, head_dim) != (self.num_kv_heads, self.head_dim):
             raise ValueError(
@@ -53,33 +61,18 @@ class FlashCoreLayer(CacheLayerMixin):
         self.keys, self.values, self.seq_lens = allocate_kv_cache(
             batch_size, num_kv_heads, self.max_cache_len, head_dim, dtype=self.dtype, device=self.device
         )
-        self.logical_length = self.logical_length.to(self.device)
-        # Fixed addresses let inductor keep CUDA graphs although the compiled step mutates these tensors, and
-        # guard=False lets a new cache of the same shapes reuse the compiled graph instead of recompiling.
-        # Marking is not allowed while dynamo traces; only a compiled prefill would allocate there.
-        if not torch.compiler.is_compiling():
-            for tensor in (self.keys, self.values, self.seq_lens, self.logical_length):
-                torch._dynamo.mark_static_address(tensor, guard=False)
+        self.logical_length = logical_length
+        _mark_static_addresses(self.keys, self.values, self.seq_lens)
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, check_capacity: bool = True, **kwargs
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Allocates on first use, refuses a step that could overflow, and returns ``(key_states, value_states)``.
-
-        Nothing is copied: the flashcore attention function appends the new tokens inside the kernel and then
-        advances ``seq_lens`` and ``logical_length``. A refused step leaves the cache untouched.
-        """
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        # One host read, like the op's own value check (which the attention function then skips). Left out of
-        # compiled graphs and CUDA-graph capture (no host sync allowed there), where generate has checked the
-        # whole call up front and the kernel still never writes past capacity.
-        if check_capacity and not _is_capturing_or_tracing():
-            self._check_capacity(key_states.shape[2])
+        """Returns ``(key_states, value_states)``: the keys are appended by :meth:`FlashCoreCache.append_and_attend`."""
         return key_states, value_states
 
-    def _check_capacity(self, num_new: int) -> None:
+    def check_capacity(self, num_new: int) -> None:
+        """Refuses a step of ``num_new`` tokens (pads included) that could overflow a row; one host read."""
         longest = int(self.seq_lens.max()) if self.batch_size else 0
         if longest + num_new > self.max_cache_len:
             raise ValueError(
@@ -88,10 +81,6 @@ class FlashCoreLayer(CacheLayerMixin):
                 f"the cache with room for the whole conversation, e.g. FlashCoreCache(model.config, "
                 f"max_cache_len={longest + num_new}) or larger, or call cache.reset() to start over."
             )
-
-    def advance(self, num_new: int) -> None:
-        """Advances the logical length by the ``S_q`` positions (pads included) of a step the kernel ran."""
-        self.logical_length.add_(num_new)
 
     def get_seq_length(self) -> torch.Tensor | int:
         return self.logical_length if self.is_initialized else 0
@@ -144,9 +133,9 @@ class FlashCoreCache(Cache):
     ``dtype`` all given, all layers are allocated at construction instead.
 
     ``get_kv_cache(layer_idx)`` returns a layer's ``(k_cache, v_cache, seq_lens)``, the tuple that
-    :func:`flashcore.attention_with_kv_cache` reads and writes. Beam search is supported (``reorder_cache`` copies
-    rows in place); cropping is not. Works only with a patched model: a stock attention would never see the
-    cached tokens.
+    :func:`flashcore.attention_with_kv_cache` reads and writes; :meth:`append_and_attend` is the call the patched
+    model makes on it. Beam search is supported (``reorder_cache`` copies rows in place); cropping is not. Works
+    only with a patched model: a stock attention would never see the cached tokens.
 
     Args:
         config: the model's config (its text config is used); every layer must be full attention.
@@ -175,8 +164,8 @@ class FlashCoreCache(Cache):
             raise ValueError(f"max_cache_len must be a positive int (tokens per row), got {max_cache_len!r}")
         if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise ValueError(f"max_batch_size must be a positive int or None, got {max_batch_size!r}")
-        if backend not in (None, "auto", "triton", "torch"):
-            raise ValueError(f"backend must be None, 'auto', 'triton' or 'torch', got {backend!r}")
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
         num_layers = text_config.num_hidden_layers
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         layers = [
@@ -188,11 +177,18 @@ class FlashCoreCache(Cache):
         self._max_batch_size = max_batch_size
         self._dtype = dtype
         self._devices = _per_layer_devices(device, num_layers)
+        # One logical length per device, shared by the layers there: advanced once per forward, not once per layer.
+        self._logical_lengths: dict[torch.device, torch.Tensor] = {}
+        # The logical length as the host knows it, which bounds every row's seq_lens (a forward adds at most S_q to
+        # each): while it shows room, no forward needs a host read to check capacity. None for good once a step ran
+        # under capture or compilation, whose replays advance the rows without running Python.
+        self._host_length: int | None = 0
         self.backend = backend
         if max_batch_size is not None and dtype is not None and device is not None:
-            for layer, layer_device in zip(self.layers, self._devices, strict=True):
-                empty = torch.empty((max_batch_size, layer.num_kv_heads, 0, head_dim), dtype=dtype, device=layer_device)
-                layer.lazy_initialization(empty, empty)
+            num_kv_heads = text_config.num_key_value_heads
+            for layer_idx, layer_device in enumerate(self._devices):
+                empty = torch.empty((max_batch_size, num_kv_heads, 0, head_dim), dtype=dtype, device=layer_device)
+                self._allocate_layer(layer_idx, empty)
 
     @property
     def max_cache_len(self) -> int:
@@ -214,12 +210,84 @@ class FlashCoreCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allocates the layer on first use and returns ``(key_states, value_states)``; nothing is copied."""
+        if not self.layers[layer_idx].is_initialized:
+            self._allocate_layer(layer_idx, key_states)
+        return key_states, value_states
+
+    def append_and_attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        query_lens: torch.Tensor | None = None,
+        scale: float | None = None,
+        backend: str = "auto",
+    ) -> torch.Tensor:
+        """One layer's step: :func:`flashcore.attention_with_kv_cache` on ``get_kv_cache(layer_idx)``, whose
+        contract says what is appended where; returns its output ``[B, H_q, S_q, D]``.
+
+        Layer 0 refuses a step that could overflow before anything is written (every layer holds the same lengths,
+        and layer 0 runs first): with no host read while the logical length the host has counted shows room, else
+        with one. Under CUDA-graph capture and while ``torch.compile`` traces no host read is allowed and none is
+        made (``generate`` has checked the whole call up front, and the kernel never writes past capacity anyway).
+        The last layer advances the logical length by ``S_q`` (pads included). ``backend`` is used unless the cache
+        was built with its own.
+        """
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
-            self._check_first_update(layer_idx, key_states)
-        # Every layer holds the same lengths and layer 0 runs first, so checking it alone refuses an overflowing
-        # forward before any layer has written, with one host read per step instead of one per layer.
-        return layer.update(key_states, value_states, check_capacity=layer_idx == 0)
+            self._allocate_layer(layer_idx, key)
+        num_new = query.shape[2]
+        if layer_idx == 0:
+            self._check_capacity(layer, num_new)
+        out, _ = attention_with_kv_cache(
+            query,
+            key,
+            value,
+            (layer.keys, layer.values, layer.seq_lens),
+            query_lens=query_lens,
+            scale=scale,
+            backend=self.backend or backend,
+            check=False,  # checked above, once per forward rather than once per layer
+        )
+        if layer_idx == len(self.layers) - 1:
+            for logical_length in self._logical_lengths.values():
+                logical_length.add_(num_new)
+        return out
+
+    def reset(self) -> None:
+        """Empties every row in place; see ``FlashCoreLayer.reset``."""
+        super().reset()
+        if self._host_length is not None:
+            self._host_length = 0
+
+    def _check_capacity(self, layer: FlashCoreLayer, num_new: int) -> None:
+        if is_capturing_or_tracing():
+            self._host_length = None
+            return
+        if self._host_length is None or self._host_length + num_new > self.max_cache_len:
+            layer.check_capacity(num_new)  # one host read; pads are never stored, so the rows may still have room
+        if self._host_length is not None:
+            self._host_length += num_new
+
+    def early_initialization(
+        self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: DeviceLike
+    ) -> None:
+        """Allocates every layer now, as transformers' ``Cache.early_initialization`` does (for ``export``)."""
+        empty = torch.empty((batch_size, num_heads, 0, head_dim), dtype=dtype, device=device)
+        for layer_idx, layer in enumerate(self.layers):
+            if not layer.is_initialized:
+                self._allocate_layer(layer_idx, empty)
+
+    def _allocate_layer(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        self._check_first_update(layer_idx, key_states)
+        device = key_states.device
+        if device not in self._logical_lengths:
+            self._logical_lengths[device] = torch.zeros((), dtype=torch.int64, device=device)
+            _mark_static_addresses(self._logical_lengths[device])
+        self.layers[layer_idx].allocate(key_states, self._logical_lengths[device])
 
     def _check_first_update(self, layer_idx: int, key_states: torch.Tensor) -> None:
         expected_device = self._devices[layer_idx]
@@ -252,8 +320,13 @@ def check_full_attention_only(config) -> None:
         )
 
 
-def _is_capturing_or_tracing() -> bool:
-    return torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+def _mark_static_addresses(*tensors: torch.Tensor) -> None:
+    # Fixed addresses let inductor keep CUDA graphs although the compiled step mutates these tensors, and
+    # guard=False lets a new cache of the same shapes reuse the compiled graph instead of recompiling.
+    # Marking is not allowed while dynamo traces; only a compiled prefill would allocate there.
+    if not torch.compiler.is_compiling():
+        for tensor in tensors:
+            torch._dynamo.mark_static_address(tensor, guard=False)
 
 
 def _equals(expected, got) -> bool:

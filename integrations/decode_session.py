@@ -23,28 +23,26 @@ from __future__ import annotations
 
 import torch
 
-from flashcore.integrations import fused_projections
 from flashcore.integrations.cache import FlashCoreCache
-from flashcore.integrations.layer_kernels import use_layer_kernels
-from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, apply_flashcore_to_llama
+from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, apply_flashcore_to_llama, flashcore_options
 
 
 class DecodeSession:
     """A batch of B sequences whose KV cache and decode step live on the device.
 
     Args:
-        model: a LLaMA-family ``*ForCausalLM``; it is patched with ``apply_flashcore_to_llama`` if it is not.
+        model: a LLaMA-family ``*ForCausalLM``; it is patched with ``apply_flashcore_to_llama`` if it is not (with
+            its defaults, or the options already applied, and the two below where given).
         max_cache_len: tokens per row the session's cache can hold (prompt, every turn and every answer).
         batch_size: B.
         use_cuda_graph: capture the decode step as a CUDA graph (default: when the model is on CUDA).
         temperature: 0 for greedy; otherwise Gumbel-max sampling at this temperature, inside the graph.
         compile: run the decode step through ``torch.compile`` (compiled on the first decode step, then captured).
-        fuse_projections: concatenate each layer's q/k/v and gate/up weights into one GEMM each (in place, no
-            extra memory; :func:`~flashcore.integrations.fused_projections.fuse_projections`). Results equal the
-            unfused model's up to the GEMMs' summation order.
-        layer_kernels: run every RMSNorm, the RoPE and the SiLU-and-mul on flashcore's kernels (in place, on the
-            model: :func:`~flashcore.integrations.layer_kernels.use_layer_kernels`), so that eager, replayed and
-            compiled steps compute the same bits.
+        fuse_projections: ``apply_flashcore_to_llama``'s option of that name, set on the model (in place): one GEMM
+            each for q/k/v and gate/up. None (default) keeps what the model has (off if it is not patched).
+        layer_kernels: ``apply_flashcore_to_llama``'s option of that name, set on the model (in place): every
+            RMSNorm, the RoPE and the SiLU-and-mul on flashcore's kernels, so that eager, replayed and compiled
+            steps compute the same bits. None (default) keeps what the model has (off if it is not patched).
 
     Usage::
 
@@ -63,16 +61,17 @@ class DecodeSession:
         use_cuda_graph: bool | None = None,
         temperature: float = 0.0,
         compile: bool = False,
-        fuse_projections: bool = False,
-        layer_kernels: bool = False,
+        fuse_projections: bool | None = None,
+        layer_kernels: bool | None = None,
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-        self.model = apply_flashcore_to_llama(model)
-        if fuse_projections:
-            fused_projections.fuse_projections(model)
-        if layer_kernels:
-            use_layer_kernels(model)
+        options = flashcore_options(model) or {}
+        if fuse_projections is not None:
+            options["fuse_projections"] = fuse_projections
+        if layer_kernels is not None:
+            options["layer_kernels"] = layer_kernels
+        self.model = apply_flashcore_to_llama(model, **options)
         device = next(model.parameters()).device
         self.use_cuda_graph = device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
         if self.use_cuda_graph and device.type != "cuda":

@@ -1,22 +1,23 @@
-"""``apply_flashcore_to_llama``: routes a loaded HF LLaMA-family model's attention through flashcore.
+"""``apply_flashcore_to_llama``: routes a loaded HF LLaMA-family model's attention through flashcore, with the
+model-side options (flashcore's layer kernels, fused projections), and ``remove_flashcore``, which undoes it all.
 
-Everything goes through transformers' extension points; no modeling symbol is replaced:
+The attention goes through transformers' extension points; no modeling symbol is replaced:
 
-- an attention function and a mask function registered under :data:`ATTENTION_IMPLEMENTATION` with
-  ``AttentionInterface`` / ``AttentionMaskInterface``, selected with ``model.set_attn_implementation``;
-- a forward pre-hook on every attention module that hands the cache (which ``LlamaAttention.forward`` consumes
-  itself) to the attention function, where :func:`flashcore.attention_with_kv_cache` appends and attends in one
-  launch; :class:`FlashCoreCache`'s ``update()`` copies nothing;
-- a forward pre-hook on the decoder that gives a ``use_cache`` forward without a cache a :class:`FlashCoreCache`
-  where transformers would build a ``DynamicCache``;
+- an attention function and a mask function (:mod:`flashcore.integrations.attention`) registered under
+  :data:`ATTENTION_IMPLEMENTATION` with ``AttentionInterface`` / ``AttentionMaskInterface``, selected with
+  ``model.set_attn_implementation``;
+- a forward pre-hook on the decoder that, once per forward, gives a ``use_cache`` forward without a cache a
+  :class:`FlashCoreCache` where transformers would build a ``DynamicCache``, and adds the cache and the backend to
+  the keyword arguments that the decoder hands down to every layer's attention function (``LlamaAttention.forward``
+  consumes the cache itself), where :meth:`FlashCoreCache.append_and_attend` appends and attends in one launch;
 - for ``generate``, an instance attribute ``_prepare_cache_for_generation`` that wraps the class method (same
   signature in transformers 5.17 to 5.24) and swaps the ``DynamicCache``/``StaticCache`` it builds for a
   :class:`FlashCoreCache` of the same capacity. It runs before generate decides to compile the decode step, so
   on CUDA ``generate`` compiles it (``is_compileable``) as it would for a ``StaticCache``.
 
-Left-padded rows are compacted before the launch: each row's valid new tokens move to the front (a stable argsort
-of the padding mask) and their count goes in ``query_lens``, so pads are never attended and never stored; outputs
-are scattered back. RoPE is applied by the model from generate's ``position_ids`` before the attention function.
+``layer_kernels`` and ``fuse_projections`` change code inside the attention and MLP forwards, where transformers
+has no extension point; :mod:`flashcore.integrations.llama_forward_fork` says why and holds the one fork of those
+forwards, installed only on models that use either option.
 """
 
 from __future__ import annotations
@@ -38,17 +39,22 @@ if Version(transformers.__version__) < Version(MIN_SUPPORTED_TRANSFORMERS_VERSIO
     )
 
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel, StaticCache  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaModel  # noqa: E402
 
+from flashcore.backends import BACKENDS  # noqa: E402
+from flashcore.integrations import fused_projections as _fused_projections  # noqa: E402
+from flashcore.integrations import layer_kernels as _layer_kernels  # noqa: E402
+from flashcore.integrations import llama_forward_fork  # noqa: E402
+from flashcore.integrations.attention import flashcore_attention, flashcore_padding_mask  # noqa: E402
 from flashcore.integrations.cache import FlashCoreCache, check_full_attention_only  # noqa: E402
-from flashcore.ops import BACKENDS, attention_with_kv_cache  # noqa: E402
 
 __all__ = [
     "ATTENTION_IMPLEMENTATION",
     "CACHE_ARGUMENT_NAME",
     "FlashCoreCache",
     "apply_flashcore_to_llama",
+    "flashcore_options",
     "remove_flashcore",
 ]
 
@@ -87,17 +93,20 @@ SUPPORTED_GENERATION_MODES = ("greedy_search", "sample", "beam_search", "beam_sa
 
 @dataclass
 class _FlashCoreState:
-    """What apply_flashcore_to_llama changed on one model, so that remove_flashcore can undo exactly that."""
+    """What apply_flashcore_to_llama changed on one model (its options included), so that a later call changes only
+    what differs and remove_flashcore undoes exactly that."""
 
     backend: str
     previous_attn_implementation: str | None
+    layer_kernels: bool = False
+    fuse_projections: bool = False
     hook_handles: list = field(default_factory=list)
     previous_max_cache_len: int = 0
-    # What later flashcore-only changes (fuse_projections) register to be undone with the patch.
-    undo_on_remove: list = field(default_factory=list)
 
 
-def apply_flashcore_to_llama(model: PreTrainedModel, *, backend: str = "auto") -> PreTrainedModel:
+def apply_flashcore_to_llama(
+    model: PreTrainedModel, *, backend: str = "auto", layer_kernels: bool = False, fuse_projections: bool = False
+) -> PreTrainedModel:
     """Routes every attention layer of a loaded LLaMA-family model through flashcore, in place.
 
     After the call, ``model.generate(...)`` and ``model(...)`` run prefill and every decode step on
@@ -114,38 +123,88 @@ def apply_flashcore_to_llama(model: PreTrainedModel, *, backend: str = "auto") -
     architectures, custom or 4-D attention masks, attention dropout, gradients, and generation modes that crop
     the cache (assisted generation, DoLa, contrastive search).
 
+    Calling it again on a patched model brings it to the new options: ``backend`` is replaced, and each of
+    ``layer_kernels`` and ``fuse_projections`` is turned on or off to match. Options the model cannot run are
+    refused before anything changes.
+
     Args:
-        model: a loaded ``PreTrainedModel`` of a supported type. Calling this again is a no-op, except that
-            ``backend`` is updated.
+        model: a loaded ``PreTrainedModel`` of a supported type, on its final device and dtype.
         backend: ``"auto"`` (default: triton on CUDA or under ``TRITON_INTERPRET=1``, torch otherwise),
             ``"triton"`` or ``"torch"``; see :func:`flashcore.attention_with_kv_cache`. A FlashCoreCache built
             with its own ``backend`` uses that one.
+        layer_kernels: run every RMSNorm, the RoPE and the SiLU-and-mul on flashcore's Triton kernels
+            (:mod:`flashcore.layer_ops`), so that eager, graph-replayed and compiled steps compute the same bits;
+            needs ``hidden_act="silu"`` and CUDA (or ``TRITON_INTERPRET=1``). Default: False.
+        fuse_projections: concatenate each layer's q/k/v and gate/up weights into one GEMM each, in place and
+            with no extra memory (``save_pretrained`` still writes every HF parameter); results equal the unfused
+            model's up to the GEMMs' summation order. Default: False.
 
     Returns:
-        The same model object. :func:`remove_flashcore` undoes the patch.
+        The same model object. :func:`remove_flashcore` undoes everything.
 
     Example: ``tests/test_hf_llama.py::test_generate_greedy_matches_stock``.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    state = model.__dict__.get("_flashcore_state")
-    if state is not None:
-        state.backend = backend
-        return model
-    decoder, attention_modules = _check_supported(model)
+    decoder, _ = _check_supported(model)
+    if layer_kernels:
+        _layer_kernels.check_supported(model)
+    if fuse_projections:
+        _fused_projections.check_supported(model)
 
-    AttentionInterface.register(ATTENTION_IMPLEMENTATION, _flashcore_attention)
-    AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, _flashcore_padding_mask)
+    state = model.__dict__.get("_flashcore_state")
+    if state is None:
+        state = _patch(model, decoder, backend)
+    state.backend = backend
+    if fuse_projections != state.fuse_projections:
+        (_fused_projections.fuse if fuse_projections else _fused_projections.unfuse)(model)
+        state.fuse_projections = fuse_projections
+    if layer_kernels != state.layer_kernels:
+        (_layer_kernels.enable if layer_kernels else _layer_kernels.disable)(model)
+        state.layer_kernels = layer_kernels
+    llama_forward_fork.sync_forwards(model)
+    return model
+
+
+def flashcore_options(model: PreTrainedModel) -> dict[str, Any] | None:
+    """The keyword arguments of the last :func:`apply_flashcore_to_llama` call on ``model`` (None if unpatched)."""
+    state = model.__dict__.get("_flashcore_state")
+    if state is None:
+        return None
+    return {"backend": state.backend, "layer_kernels": state.layer_kernels, "fuse_projections": state.fuse_projections}
+
+
+def remove_flashcore(model: PreTrainedModel) -> PreTrainedModel:
+    """Undoes :func:`apply_flashcore_to_llama`: layer kernels and fused projections undone, hooks removed, the
+    previous attention implementation restored.
+
+    Returns the same model object; a model that was never patched is returned unchanged.
+    """
+    state = model.__dict__.pop("_flashcore_state", None)
+    if state is None:
+        return model
+    if state.layer_kernels:
+        _layer_kernels.disable(model)
+    if state.fuse_projections:
+        _fused_projections.unfuse(model)
+    llama_forward_fork.sync_forwards(model)
+    for handle in state.hook_handles:
+        handle.remove()
+    model.__dict__.pop("_prepare_cache_for_generation", None)
+    model.set_attn_implementation(state.previous_attn_implementation or "sdpa")
+    return model
+
+
+def _patch(model: PreTrainedModel, decoder: torch.nn.Module, backend: str) -> _FlashCoreState:
+    """The attention routing: registered functions, the decoder's pre-hook and generate's cache."""
+    AttentionInterface.register(ATTENTION_IMPLEMENTATION, flashcore_attention)
+    AttentionMaskInterface.register(ATTENTION_IMPLEMENTATION, flashcore_padding_mask)
     state = _FlashCoreState(backend=backend, previous_attn_implementation=model.config._attn_implementation)
     model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
 
-    def pass_cache_to_attention(module, args, kwargs):
-        cache = kwargs.get(CACHE_ARGUMENT_NAME)
-        kwargs["flashcore_cache"] = cache
-        kwargs["flashcore_backend"] = cache.backend if getattr(cache, "backend", None) is not None else state.backend
-        return args, kwargs
-
-    def build_cache_for_forward(module, args, kwargs):
+    def prepare_forward(module, args, kwargs):
+        """Once per forward: the cache (built where transformers would build a DynamicCache) and the backend,
+        as keyword arguments that the decoder hands down to every layer's attention function."""
         if CACHE_ARGUMENT_NAME != "past_key_values" and "past_key_values" in kwargs:
             # This hook runs before transformers' deprecation shim renames the keyword: it would not see that cache,
             # build a new one, and the shim would then drop the caller's.
@@ -154,48 +213,34 @@ def apply_flashcore_to_llama(model: PreTrainedModel, *, backend: str = "auto") -
                 f"{transformers.__version__}; past_key_values= is deprecated there, and a model patched by "
                 f"apply_flashcore_to_llama refuses it (the *ForCausalLM model renames it itself)"
             )
+        kwargs["flashcore_backend"] = state.backend
         cache = kwargs.get(CACHE_ARGUMENT_NAME)
-        if cache is not None:
-            if not isinstance(cache, FlashCoreCache):
-                raise TypeError(_WRONG_CACHE.format(type(cache).__name__))
-            return None
-        use_cache = kwargs.get("use_cache")
-        if not (module.config.use_cache if use_cache is None else use_cache):
-            return None
-        inputs = next((kwargs[name] for name in ("inputs_embeds", "input_ids") if kwargs.get(name) is not None), None)
-        if inputs is None and args:
-            inputs = args[0]
-        if not isinstance(inputs, torch.Tensor):
-            return None  # the model itself reports the missing input
-        # What the DynamicCache transformers builds here would hold: exactly these tokens. A continuation needs a
-        # FlashCoreCache with room for it, and the cache says so if it is too small.
-        kwargs[CACHE_ARGUMENT_NAME] = FlashCoreCache(module.config, max_cache_len=inputs.shape[1])
+        if cache is None:
+            cache = kwargs[CACHE_ARGUMENT_NAME] = _cache_for_forward(module, args, kwargs)
+        elif not isinstance(cache, FlashCoreCache):
+            raise TypeError(_WRONG_CACHE.format(type(cache).__name__))
+        kwargs["flashcore_cache"] = cache
         return args, kwargs
 
-    for attention in attention_modules:
-        state.hook_handles.append(attention.register_forward_pre_hook(pass_cache_to_attention, with_kwargs=True))
-    state.hook_handles.append(decoder.register_forward_pre_hook(build_cache_for_forward, with_kwargs=True))
+    state.hook_handles.append(decoder.register_forward_pre_hook(prepare_forward, with_kwargs=True))
     if hasattr(type(model), "_prepare_cache_for_generation"):  # a bare LlamaModel does not generate
         model._prepare_cache_for_generation = _make_prepare_cache_for_generation(model, state)
     model._flashcore_state = state
-    return model
+    return state
 
 
-def remove_flashcore(model: PreTrainedModel) -> PreTrainedModel:
-    """Undoes :func:`apply_flashcore_to_llama`: hooks removed, previous attention implementation restored.
-
-    Returns the same model object; a model that was never patched is returned unchanged.
-    """
-    state = model.__dict__.pop("_flashcore_state", None)
-    if state is None:
-        return model
-    for undo in state.undo_on_remove:
-        undo(model)
-    for handle in state.hook_handles:
-        handle.remove()
-    model.__dict__.pop("_prepare_cache_for_generation", None)
-    model.set_attn_implementation(state.previous_attn_implementation or "sdpa")
-    return model
+def _cache_for_forward(module, args, kwargs) -> FlashCoreCache | None:
+    """What the DynamicCache transformers builds for a ``use_cache`` forward without a cache would hold: exactly
+    these tokens. A continuation needs a FlashCoreCache with room for it, and the cache says so if it is too small."""
+    use_cache = kwargs.get("use_cache")
+    if not (module.config.use_cache if use_cache is None else use_cache):
+        return None
+    inputs = next((kwargs[name] for name in ("inputs_embeds", "input_ids") if kwargs.get(name) is not None), None)
+    if inputs is None and args:
+        inputs = args[0]
+    if not isinstance(inputs, torch.Tensor):
+        return None  # the model itself reports the missing input
+    return FlashCoreCache(module.config, max_cache_len=inputs.shape[1])
 
 
 _WRONG_CACHE = (
@@ -269,113 +314,3 @@ def _make_prepare_cache_for_generation(model, state: _FlashCoreState):
         model_kwargs[CACHE_ARGUMENT_NAME] = FlashCoreCache(model.config, max_cache_len=state.previous_max_cache_len)
 
     return prepare_flashcore_cache
-
-
-def _flashcore_padding_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    mask_function=causal_mask_function,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs,
-) -> torch.Tensor | None:
-    """The mask flashcore's attention takes: bool ``[B, S_q]``, True where a new token is real (None: all are).
-
-    The kernel applies causality and cache lengths itself, so only the new tokens' padding columns are needed.
-    Applied twice (generate precomputes it, the model recomputes it), it returns the same mask.
-    """
-    if mask_function is not causal_mask_function:
-        raise NotImplementedError(
-            "flashcore supports causal attention with a padding mask only; this call combines the causal mask with "
-            "another mask function (packed sequences, or_mask_function/and_mask_function)"
-        )
-    if attention_mask is None:
-        return None
-    # A fresh tensor with standard strides: a view of the growing [B, L] mask would change stride every decode
-    # step, and torch.compile guards on strides (transformers 5.17 does not make it contiguous itself).
-    return attention_mask[:, -q_length:].clone(memory_format=torch.contiguous_format)
-
-
-def _flashcore_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    flashcore_cache: FlashCoreCache | None = None,
-    flashcore_backend: str = "auto",
-    sliding_window: int | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """Appends the new tokens to the layer's cache and attends, in one flashcore launch.
-
-    ``query`` is ``[B, H_q, S_q, D]`` and ``key``/``value`` ``[B, H_kv, S_q, D]``, RoPE applied; returns
-    ``[B, S_q, H_q, D]`` like every transformers attention function. The cache arrives through the pre-hook.
-    """
-    if sliding_window is not None:
-        raise NotImplementedError(f"flashcore does not run sliding-window layers yet (sliding_window={sliding_window})")
-    if dropout > 0.0:
-        raise NotImplementedError(f"flashcore attention has no dropout, got dropout={dropout}; call model.eval()")
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        raise NotImplementedError(
-            "flashcore attention is inference-only (no backward); run under torch.no_grad() or torch.inference_mode(), "
-            "or call remove_flashcore(model) to train"
-        )
-    if flashcore_cache is not None and not isinstance(flashcore_cache, FlashCoreCache):
-        raise TypeError(_WRONG_CACHE.format(type(flashcore_cache).__name__))
-    if attention_mask is not None and attention_mask.dim() != 2:
-        raise NotImplementedError(
-            f"flashcore takes a 2-D padding mask only, got a {attention_mask.dim()}-D attention_mask; pass the "
-            f"tokenizer's [B, S] mask"
-        )
-    num_new = query.shape[2]
-    query_lens = order = None
-    if attention_mask is not None:
-        is_real = attention_mask.bool()
-        query_lens = is_real.sum(dim=1, dtype=torch.int32)
-        if num_new > 1:
-            # Real tokens first, in their order: the kernel takes each row's first query_lens[b] tokens.
-            order = torch.argsort((~is_real).to(torch.int8), dim=1, stable=True)
-            query, key, value = (_gather_tokens(tensor, order) for tensor in (query, key, value))
-
-    if flashcore_cache is None:
-        out, _ = attention_with_kv_cache(
-            query,
-            key,
-            value,
-            None,
-            cache_max_len=num_new,
-            query_lens=query_lens,
-            scale=scaling,
-            backend=flashcore_backend,
-        )
-    else:
-        layer = flashcore_cache.layers[module.layer_idx]
-        # check=False: the layer's update() has just checked capacity for S_q (pads included) in eager mode.
-        out, _ = attention_with_kv_cache(
-            query,
-            key,
-            value,
-            (layer.keys, layer.values, layer.seq_lens),
-            query_lens=query_lens,
-            scale=scaling,
-            backend=flashcore_backend,
-            check=False,
-        )
-        layer.advance(num_new)
-
-    if order is not None:
-        out = torch.empty_like(out).scatter_(2, _expand_order(order, out), out)
-    return out.transpose(1, 2), None
-
-
-def _expand_order(order: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return order[:, None, :, None].expand(like.shape[0], like.shape[1], order.shape[1], like.shape[3])
-
-
-def _gather_tokens(tensor: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    return tensor.gather(2, _expand_order(order, tensor))

@@ -15,8 +15,7 @@ from flashcore.integrations.llama import (
     apply_flashcore_to_llama,
     remove_flashcore,
 )
-from flashcore.kernels import warp_specialized_decode
-from flashcore.kernels.gluon_hopper import runs_on
+from flashcore.kernels.gluon_sm90.common import runs_on
 
 NEW_TOKENS = 12
 
@@ -35,8 +34,8 @@ def test_session_matches_stock_greedy(backend, lengths, device, generator, reque
     input_ids, attention_mask = random_prompts(lengths, generator, device)
     expected = stock_greedy(model, input_ids, attention_mask, NEW_TOKENS)
 
+    apply_flashcore_to_llama(model, backend=backend)
     session = DecodeSession(model, max_cache_len=max(lengths) + NEW_TOKENS, batch_size=len(lengths))
-    model._flashcore_state.backend = backend
     tokens = [session.prefill(input_ids, attention_mask).clone()]
     tokens += [session.decode_step().clone() for _ in range(NEW_TOKENS - 1)]
     remove_flashcore(model)
@@ -65,7 +64,7 @@ def test_second_turn_continues_the_cache(device, generator, request):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compares CUDA-graph replay with eager calls: there are no graphs on the CPU")
-def test_graph_replayed_session_repeats_eager_generate_in_bf16(device, generator, request, monkeypatch):
+def test_graph_replayed_session_repeats_eager_generate_in_bf16(device, generator, request, kernels_run):
     """Issue 5's "tokens identical to eager flashcore": in bf16 a one-ulp difference between the kernels an eager
     decode step and a captured one run flips near-tied greedy tokens within a few dozen steps (NOTES.md, entries
     22 and 31). Head dim 64 and a group of 4, so that on the H100 both run the Gluon decode kernel, and a cache
@@ -77,12 +76,6 @@ def test_graph_replayed_session_repeats_eager_generate_in_bf16(device, generator
     config = model.config
     input_ids, attention_mask = random_prompts([30, 22, 30, 17], generator, device)
     max_cache_len, new_tokens = 1024, 40
-
-    gluon_calls = []
-    run_gluon = warp_specialized_decode.decode_with_kv_cache
-    monkeypatch.setattr(
-        warp_specialized_decode, "decode_with_kv_cache", lambda *a: gluon_calls.append(1) or run_gluon(*a)
-    )
 
     apply_flashcore_to_llama(model, backend="triton")
     cache = FlashCoreCache(config, max_cache_len, max_batch_size=4, device=device, dtype=torch.bfloat16)
@@ -101,7 +94,7 @@ def test_graph_replayed_session_repeats_eager_generate_in_bf16(device, generator
     # HF's steps pass query_lens (its mask), the session's do not: both must reach the Gluon kernel on sm_90.
     # generate's 39 steps, then the session's eager first step and its capture (replays run no Python).
     expected_calls = (new_tokens - 1 + 2) * config.num_hidden_layers if runs_on(device) else 0
-    assert len(gluon_calls) == expected_calls
+    assert kernels_run.count("gluon_sm90.decode") == expected_calls
 
 
 @pytest.mark.parametrize(
@@ -123,6 +116,7 @@ def test_compiled_session_matches_stock_greedy(fuse_projections, layer_kernels, 
     expected = stock_greedy(model, input_ids, attention_mask, NEW_TOKENS)
 
     counters.clear()
+    apply_flashcore_to_llama(model, backend="triton" if ON_GPU else "torch")
     session = DecodeSession(
         model,
         max_cache_len=max(lengths) + NEW_TOKENS,
@@ -131,7 +125,6 @@ def test_compiled_session_matches_stock_greedy(fuse_projections, layer_kernels, 
         fuse_projections=fuse_projections,
         layer_kernels=layer_kernels,
     )
-    model._flashcore_state.backend = "triton" if ON_GPU else "torch"
     tokens = [session.prefill(input_ids, attention_mask).clone()]
     tokens += [session.decode_step().clone() for _ in range(NEW_TOKENS - 1)]
     remove_flashcore(model)

@@ -1,5 +1,5 @@
-"""``fuse_projections``: one GEMM for q/k/v and one for gate/up must give the unfused model's logits and greedy
-tokens, add no memory, and be undone by ``unfuse_projections``.
+"""``apply_flashcore_to_llama(fuse_projections=True)``: one GEMM for q/k/v and one for gate/up must give the unfused
+model's logits and greedy tokens, add no memory, and be undone by ``fuse_projections=False`` and ``remove_flashcore``.
 
 The reference is the same model object before fusing, run through flashcore (so only the projections differ),
 and stock ``generate`` before ``apply_flashcore_to_llama``.
@@ -12,7 +12,6 @@ import torch
 from test_hf_llama import PAD_ID, random_prompts, seed_of, tiny_llama, tiny_same_attention_model
 
 from flashcore.integrations.cache import FlashCoreCache
-from flashcore.integrations.fused_projections import fuse_projections, unfuse_projections
 from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, apply_flashcore_to_llama, remove_flashcore
 
 FUSED = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
@@ -62,8 +61,8 @@ def test_fused_model_matches_unfused(architecture, backend, device, generator, r
     expected = prefill_and_decode_logits(model, input_ids, attention_mask)
     bytes_before = weight_bytes(model)
 
-    fuse_projections(model)
-    fuse_projections(model)  # idempotent
+    apply_flashcore_to_llama(model, backend=backend, fuse_projections=True)
+    apply_flashcore_to_llama(model, backend=backend, fuse_projections=True)  # idempotent
 
     assert weight_bytes(model) == bytes_before
     for layer in model.model.layers:
@@ -89,7 +88,7 @@ def test_unfuse_gives_each_projection_its_storage_back(device, generator, reques
     expected = prefill_and_decode_logits(model, input_ids, attention_mask)
     original = {name: parameter.clone() for name, parameter in model.named_parameters()}
 
-    unfuse_projections(fuse_projections(model))
+    apply_flashcore_to_llama(apply_flashcore_to_llama(model, backend="torch", fuse_projections=True), backend="torch")
 
     for name, parameter in model.named_parameters():
         assert torch.equal(parameter, original[name]), name
@@ -109,7 +108,7 @@ def test_remove_flashcore_also_unfuses(device, generator, request):
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=5, do_sample=False, pad_token_id=PAD_ID)
     expected = model.generate(input_ids, **kwargs)
 
-    remove_flashcore(fuse_projections(apply_flashcore_to_llama(model, backend="torch")))
+    remove_flashcore(apply_flashcore_to_llama(model, backend="torch", fuse_projections=True))
 
     for layer in model.model.layers:
         assert "forward" not in layer.self_attn.__dict__ and "forward" not in layer.mlp.__dict__
@@ -121,7 +120,8 @@ def test_fused_model_saves_and_reloads(device, request, tmp_path):
     """The HF parameters are views of the fused weight; save_pretrained must still write each of them."""
     from transformers import LlamaForCausalLM
 
-    model = fuse_projections(apply_flashcore_to_llama(tiny_llama("gqa", seed_of(request), device), backend="torch"))
+    model = tiny_llama("gqa", seed_of(request), device)
+    apply_flashcore_to_llama(model, backend="torch", fuse_projections=True)
     model.save_pretrained(tmp_path)
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path).to(device)
     for (name, saved), (reloaded_name, loaded) in zip(
@@ -130,6 +130,11 @@ def test_fused_model_saves_and_reloads(device, request, tmp_path):
         assert name == reloaded_name and torch.equal(saved, loaded), name
 
 
-def test_fuse_needs_a_patched_model(device, request):
-    with pytest.raises(ValueError, match="apply_flashcore_to_llama"):
-        fuse_projections(tiny_llama("gqa", seed_of(request), device))
+def test_fuse_refuses_mixed_biases_before_changing_anything(device, request):
+    model = tiny_llama("gqa", seed_of(request), device)
+    layer = model.model.layers[-1].self_attn
+    layer.k_proj.bias = torch.nn.Parameter(torch.zeros(layer.k_proj.out_features, device=device))
+    with pytest.raises(NotImplementedError, match="bias"):
+        apply_flashcore_to_llama(model, backend="torch", fuse_projections=True)
+    assert "_flashcore_state" not in model.__dict__
+    assert all("_fused_projection" not in layer.self_attn.__dict__ for layer in model.model.layers)

@@ -14,14 +14,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import zlib
+from typing import NamedTuple
 
 import pytest
 import torch
-from conftest import TEST_DEVICE
+from conftest import ON_GPU, TEST_DEVICE
 from transformers import CompileConfig, DynamicCache, LlamaConfig, LlamaForCausalLM
 
-import flashcore.kernels.attention
-import flashcore.ops
+import flashcore.kernels
+from flashcore.integrations.cache import FlashCoreLayer
 from flashcore.integrations.llama import (
     ATTENTION_IMPLEMENTATION,
     CACHE_ARGUMENT_NAME,
@@ -29,6 +30,7 @@ from flashcore.integrations.llama import (
     apply_flashcore_to_llama,
     remove_flashcore,
 )
+from flashcore.kernels.gluon_sm90.common import runs_on
 
 BACKENDS = ["torch", "triton"]
 VOCAB_SIZE = 256
@@ -75,10 +77,11 @@ def seed_of(request) -> int:
     return zlib.crc32(request.node.nodeid.encode())
 
 
-def bf16_llama(seed: int, device, **sizes) -> LlamaForCausalLM:
-    """A random bf16 LLaMA with head dim 64 (on the H100 its decode steps run the Gluon kernel), for GPU tests."""
+def bf16_llama(seed: int, device, head_dim: int = 64, **sizes) -> LlamaForCausalLM:
+    """A random bf16 LLaMA, head dim 64 by default (on the H100 its decode steps run the Gluon kernel), for GPU
+    tests."""
     config = LlamaConfig(
-        head_dim=64, max_position_embeddings=2048, pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=None, **sizes
+        head_dim=head_dim, max_position_embeddings=2048, pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=None, **sizes
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
@@ -94,29 +97,32 @@ def model(request, device):
     remove_flashcore(model)
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """``(backend, S_q)`` of every backend call while the test runs: the torch function or the triton launcher.
+class Launch(NamedTuple):
+    """One attention call as ops dispatched it."""
 
-    ``flashcore.ops`` looks both up at call time (the triton launcher is imported inside the call), so
-    wrapping the module attributes sees every launch, compiled or eager.
+    backend: str  # "torch" or "triton"
+    s_q: int
+    kernel: str  # the kernel module's NAME
+    query_lens: torch.Tensor | None  # a copy, taken at the call
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list[Launch]:
+    """Every attention call while the test runs, in order.
+
+    ``flashcore.ops`` looks ``flashcore.kernels.select_kernel`` up at call time, so wrapping it sees every call that
+    runs Python (eager ones, and a compiled graph's first trace, not CUDA-graph replays); the real kernel still runs.
     """
     seen = []
+    select_kernel = flashcore.kernels.select_kernel
 
-    def counting(name, run):
-        def run_and_count(query, *args, **kwargs):
-            seen.append((name, query.shape[2]))
-            return run(query, *args, **kwargs)
+    def recording_select_kernel(call, backend):
+        kernel = select_kernel(call, backend)
+        query_lens = None if call.query_lens is None else call.query_lens.clone()  # no host read during a capture
+        seen.append(Launch(backend, call.query.shape[2], kernel.NAME, query_lens))
+        return kernel
 
-        return run_and_count
-
-    monkeypatch.setattr(
-        flashcore.ops, "attention_with_kv_cache_torch", counting("torch", flashcore.ops.attention_with_kv_cache_torch)
-    )
-    kernels = flashcore.kernels.attention
-    monkeypatch.setattr(
-        kernels, "attention_with_kv_cache_triton", counting("triton", kernels.attention_with_kv_cache_triton)
-    )
+    monkeypatch.setattr(flashcore.kernels, "select_kernel", recording_select_kernel)
     return seen
 
 
@@ -134,7 +140,7 @@ def test_generate_greedy_matches_stock(model, backend, max_new_tokens, generator
     assert cache.max_cache_len == fed
     assert cache.get_kv_cache(1)[2].tolist() == [fed]
     assert int(cache.get_seq_length()) == fed
-    assert {name for name, _ in launches} == {backend}
+    assert {launch.backend for launch in launches} == {backend}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -213,8 +219,8 @@ def test_multi_turn_prefills_only_new_tokens(model, backend, generator, device, 
 
     num_layers = model.config.num_hidden_layers
     # The last token of turn 1 was never fed, so it is prefilled with the 4 user tokens.
-    assert [s_q for _, s_q in launches[:num_layers]] == [1 + 4] * num_layers
-    assert [s_q for _, s_q in launches[num_layers:]] == [1] * num_layers * (new_tokens - 1)
+    assert [launch.s_q for launch in launches[:num_layers]] == [1 + 4] * num_layers
+    assert [launch.s_q for launch in launches[num_layers:]] == [1] * num_layers * (new_tokens - 1)
     assert cache.get_kv_cache(0)[2].tolist() == [second.shape[1] - 1]
 
 
@@ -284,6 +290,28 @@ def test_full_cache_raises_before_writing(model, backend, generator, device):
     assert int(cache.get_seq_length()) == 10
 
 
+@torch.no_grad()
+def test_capacity_is_read_on_the_host_only_when_the_count_shows_no_room(model, generator, device, monkeypatch):
+    """The cache counts the logical length on the host (an upper bound of every row's length): while it shows
+    room, a forward checks capacity without reading seq_lens (no host sync); at the limit, it reads them."""
+    reads = []
+    check_capacity = FlashCoreLayer.check_capacity
+    monkeypatch.setattr(FlashCoreLayer, "check_capacity", lambda layer, n: reads.append(n) or check_capacity(layer, n))
+    apply_flashcore_to_llama(model, backend="torch")
+    input_ids, attention_mask = random_prompts([8, 5], generator, device)
+    cache = FlashCoreCache(model.config, max_cache_len=12)
+    out = model.generate(
+        input_ids, attention_mask=attention_mask, **{CACHE_ARGUMENT_NAME: cache}, max_new_tokens=5, do_sample=False
+    )
+    assert reads == [] and int(cache.get_seq_length()) == 12  # 8 + 4 fed tokens: exactly full, never read
+    with pytest.raises(ValueError, match="max_cache_len=12"):
+        model(out[:, -1:], attention_mask=torch.ones_like(out), **{CACHE_ARGUMENT_NAME: cache})
+    assert reads == [1]
+    cache.reset()
+    model(input_ids, attention_mask=attention_mask, **{CACHE_ARGUMENT_NAME: cache})
+    assert reads == [1] and cache.get_kv_cache(0)[2].tolist() == [8, 5]
+
+
 def test_cache_allocation_per_layer_device_and_checks(device):
     """All of max_batch_size, device (one per layer here) and dtype given: allocated at construction; otherwise
     on the first update, which must then agree with what was given."""
@@ -312,7 +340,55 @@ def test_triton_launches_once_per_layer_per_step(model, generator, device, launc
     input_ids, _ = random_prompts([9], generator, device)
     model.generate(input_ids, max_new_tokens=4, do_sample=False)
     num_layers = model.config.num_hidden_layers
-    assert launches == [("triton", 9)] * num_layers + [("triton", 1)] * num_layers * 3
+    assert [(launch.backend, launch.s_q) for launch in launches] == [("triton", 9)] * num_layers + [
+        ("triton", 1)
+    ] * num_layers * 3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@torch.no_grad()
+def test_unpadded_prefill_passes_no_query_lens(model, backend, generator, device, launches):
+    """A prefill whose rows are all unpadded reaches ops with query_lens None (the long-prefill kernels take only
+    that), whether its all-ones mask comes from a forward call or from generate; a left-padded one carries each
+    row's real token count, and so do its decode steps (one token per row)."""
+    apply_flashcore_to_llama(model, backend=backend)
+    num_layers = model.config.num_hidden_layers
+    input_ids, attention_mask = random_prompts([9, 9], generator, device)
+    assert bool(attention_mask.all())
+    model(input_ids, attention_mask=attention_mask)
+    model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=1, do_sample=False)
+    assert [(launch.s_q, launch.query_lens) for launch in launches] == [(9, None)] * 2 * num_layers
+
+    launches.clear()
+    lengths, max_new_tokens = [9, 4, 6], 3
+    input_ids, attention_mask = random_prompts(lengths, generator, device)
+    model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False)
+    assert len(launches) == num_layers * max_new_tokens
+    for index, launch in enumerate(launches):
+        expected = lengths if index < num_layers else [1] * len(lengths)
+        assert launch.s_q == (9 if index < num_layers else 1)
+        assert launch.query_lens is not None and launch.query_lens.tolist() == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="bf16 attention and the Gluon kernels need CUDA")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@torch.no_grad()
+def test_unpadded_bf16_prefill_runs_the_gluon_prefill_kernel(head_dim, device, generator, request, launches):
+    """An HF prefill of 256 unpadded tokens in bf16 reaches the Gluon prefill kernel on sm_90 (query_lens None,
+    contiguous q/k/v), through generate and through a forward with an all-ones mask; the Triton kernel elsewhere."""
+    model = bf16_llama(
+        seed_of(request), device, head_dim=head_dim, vocab_size=1024, hidden_size=8 * head_dim,
+        intermediate_size=16 * head_dim, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+    )  # fmt: skip
+    apply_flashcore_to_llama(model, backend="triton")
+    input_ids, attention_mask = random_prompts([256, 256], generator, device)
+    model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=1, do_sample=False, disable_compile=True)
+    model(input_ids, attention_mask=attention_mask)
+    remove_flashcore(model)
+
+    expected = "gluon_sm90.prefill" if runs_on(device) else "triton.attention"
+    assert [(launch.s_q, launch.kernel, launch.query_lens) for launch in launches] == [(256, expected, None)] * 4
 
 
 def _counting_graphs():
@@ -389,7 +465,8 @@ def test_apply_is_idempotent_and_remove_restores_stock(model, generator, device)
     assert apply_flashcore_to_llama(model, backend="torch") is model
     hooks = (len(attention._forward_pre_hooks), len(model.model._forward_pre_hooks))
     assert apply_flashcore_to_llama(model, backend="torch") is model
-    assert (len(attention._forward_pre_hooks), len(model.model._forward_pre_hooks)) == hooks == (1, 1)
+    # One hook, on the decoder: it hands the cache to every layer's attention through the forward's kwargs.
+    assert (len(attention._forward_pre_hooks), len(model.model._forward_pre_hooks)) == hooks == (0, 1)
     assert model.config._attn_implementation == ATTENTION_IMPLEMENTATION
     assert "flash" not in ATTENTION_IMPLEMENTATION  # transformers would treat it as FlashAttention
 

@@ -1,4 +1,4 @@
-"""flashcore's layer kernels (``flashcore.layer_ops``) and ``use_layer_kernels``.
+"""flashcore's layer kernels (``flashcore.layer_ops``) and ``apply_flashcore_to_llama(layer_kernels=True)``.
 
 Each op is checked against transformers' own eager code for the same layer (``LlamaRMSNorm``, ``silu(gate) * up``,
 ``apply_rotary_pos_emb``), which is what it replaces, on fresh random inputs of odd sizes and strides. The
@@ -17,15 +17,13 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from flashcore import layer_ops
 from flashcore.integrations.decode_session import DecodeSession
-from flashcore.integrations.fused_projections import fuse_projections
-from flashcore.integrations.layer_kernels import remove_layer_kernels, use_layer_kernels
 from flashcore.integrations.llama import (
     CACHE_ARGUMENT_NAME,
     FlashCoreCache,
     apply_flashcore_to_llama,
     remove_flashcore,
 )
-from flashcore.kernels import pointwise
+from flashcore.kernels.triton import layer_kernels
 
 
 def ulps(dtype: torch.dtype, count: float) -> dict:
@@ -123,30 +121,32 @@ def test_errors_name_the_argument_and_the_fix(device, generator, monkeypatch):
         layer_ops.apply_rotary_embedding(query, query, cos[:, :2], cos[:, :2])
     with pytest.raises(ValueError, match="sin must have cos's shape"):
         layer_ops.apply_rotary_embedding(query, query, cos, cos.transpose(0, 1))
-    monkeypatch.setattr(layer_ops, "_triton_interpreter_enabled", lambda: False)
+    monkeypatch.setattr(layer_ops, "triton_interpreter_enabled", lambda: False)
     if not ON_GPU:
         with pytest.raises(NotImplementedError, match="TRITON_INTERPRET=1"):
             layer_ops.rms_norm(x, x[0], 1e-5)
 
 
 @pytest.fixture
-def pointwise_launches(monkeypatch):
+def layer_kernel_launches(monkeypatch):
     """Counts each layer kernel's launches."""
     counts = {}
     for name in ("rms_norm_triton", "silu_and_mul_triton", "rotary_embedding_triton"):
-        run = getattr(pointwise, name)
+        run = getattr(layer_kernels, name)
 
         def counting(*args, _name=name, _run=run):
             counts[_name] = counts.get(_name, 0) + 1
             return _run(*args)
 
-        monkeypatch.setattr(pointwise, name, counting)
+        monkeypatch.setattr(layer_kernels, name, counting)
     return counts
 
 
 @pytest.mark.parametrize("fuse_first", [False, True], ids=["kernels_only", "fused_projections_too"])
 @torch.no_grad()
-def test_patched_model_matches_stock_and_runs_the_kernels(fuse_first, device, generator, request, pointwise_launches):
+def test_patched_model_matches_stock_and_runs_the_kernels(
+    fuse_first, device, generator, request, layer_kernel_launches
+):
     """fp32, left-padded batch: stock's greedy tokens; every norm, RoPE and SwiGLU of every step on the kernels."""
     model = tiny_llama("gqa", seed_of(request), device)
     input_ids, attention_mask = random_prompts([7, 3, 5], generator, device)
@@ -157,12 +157,11 @@ def test_patched_model_matches_stock_and_runs_the_kernels(fuse_first, device, ge
     expected = model.generate(input_ids, **kwargs)
     stock_logits = model(input_ids, attention_mask=attention_mask, use_cache=False).logits
 
-    apply_flashcore_to_llama(model, backend="torch")
-    if fuse_first:
-        fuse_projections(model)
-    use_layer_kernels(use_layer_kernels(model))  # idempotent
+    apply_flashcore_to_llama(model, backend="torch", fuse_projections=fuse_first)
+    apply_flashcore_to_llama(model, backend="torch", fuse_projections=fuse_first, layer_kernels=True)
+    apply_flashcore_to_llama(model, backend="torch", fuse_projections=fuse_first, layer_kernels=True)  # idempotent
     logits = model(input_ids, attention_mask=attention_mask, use_cache=False).logits
-    pointwise_launches.clear()
+    layer_kernel_launches.clear()
     tokens = model.generate(input_ids, **kwargs)
 
     assert torch.equal(tokens, expected)
@@ -170,7 +169,7 @@ def test_patched_model_matches_stock_and_runs_the_kernels(fuse_first, device, ge
     real = attention_mask.bool()
     torch.testing.assert_close(logits[real], stock_logits[real], rtol=1e-4, atol=1e-4)
     layers, forwards = model.config.num_hidden_layers, 5  # a prefill and 4 decode steps
-    assert pointwise_launches == {
+    assert layer_kernel_launches == {
         "rms_norm_triton": (2 * layers + 1) * forwards,
         "rotary_embedding_triton": layers * forwards,
         "silu_and_mul_triton": layers * forwards,
@@ -183,17 +182,16 @@ def test_remove_restores_the_model_forwards(device, generator, request):
     input_ids, attention_mask = random_prompts([6, 4], generator, device)
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD_ID)
     expected = model.generate(input_ids, **kwargs)
-    apply_flashcore_to_llama(model, backend="torch")
-
-    use_layer_kernels(model)
+    apply_flashcore_to_llama(model, backend="torch", layer_kernels=True)
     # HF's automatic compile must round the residual adds as eager does (inductor fuses them otherwise).
     assert model.generation_config.compile_config.options["emulate_precision_casts"] is True
-    remove_layer_kernels(fuse_projections(model))  # the fused projection stays
+    apply_flashcore_to_llama(model, backend="torch", fuse_projections=True)  # layer kernels off, projections fused
     assert model.generation_config.compile_config is None
     for layer in model.model.layers:
         assert "_fused_projection" in layer.self_attn.__dict__ and "forward" in layer.self_attn.__dict__
         assert "forward" not in layer.input_layernorm.__dict__
-    remove_flashcore(use_layer_kernels(model))
+        assert "_uses_layer_kernels" not in layer.mlp.__dict__
+    remove_flashcore(apply_flashcore_to_llama(model, backend="torch", layer_kernels=True))
 
     for module in model.modules():
         assert "forward" not in module.__dict__ and "_uses_layer_kernels" not in module.__dict__
@@ -201,13 +199,18 @@ def test_remove_restores_the_model_forwards(device, generator, request):
     assert torch.equal(model.generate(input_ids, **kwargs), expected)
 
 
-def test_use_layer_kernels_refuses_what_it_cannot_run(device, request):
+def test_layer_kernels_refuse_what_they_cannot_run(device, request):
+    """Refused up front: neither an unpatched model nor a patched one is changed by the refused call."""
     model = tiny_llama("gqa", seed_of(request), device)
-    with pytest.raises(ValueError, match="apply_flashcore_to_llama"):
-        use_layer_kernels(model)
     model.config.hidden_act = "gelu"
     with pytest.raises(NotImplementedError, match="hidden_act"):
-        use_layer_kernels(apply_flashcore_to_llama(model, backend="torch"))
+        apply_flashcore_to_llama(model, backend="torch", layer_kernels=True)
+    assert "_flashcore_state" not in model.__dict__ and model.config._attn_implementation == "sdpa"
+    apply_flashcore_to_llama(model, backend="torch", fuse_projections=True)
+    with pytest.raises(NotImplementedError, match="hidden_act"):
+        apply_flashcore_to_llama(model, backend="triton", layer_kernels=True)
+    assert model._flashcore_state.backend == "torch" and "_fused_projection" in model.model.layers[0].mlp.__dict__
+    remove_flashcore(model)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and inductor's GPU kernels: the rounding gap is a GPU matter")
@@ -222,7 +225,7 @@ def test_bf16_tokens_equal_eagerly_replayed_and_compiled(device, generator, requ
         num_attention_heads=8, num_key_value_heads=2, initializer_range=0.05,
     )  # fmt: skip
     config = model.config
-    use_layer_kernels(fuse_projections(apply_flashcore_to_llama(model, backend="triton")))
+    apply_flashcore_to_llama(model, backend="triton", fuse_projections=True, layer_kernels=True)
     input_ids, attention_mask = random_prompts([40, 25, 40, 33], generator, device)
     max_cache_len, new_tokens = 512, 64
 
@@ -248,11 +251,11 @@ def test_bf16_tokens_equal_eagerly_replayed_and_compiled(device, generator, requ
         assert torch.equal(generate(disable_compile=False), eager)
 
 
-def test_use_layer_kernels_keeps_a_compile_config_the_user_set(device, request):
+def test_layer_kernels_keep_a_compile_config_the_user_set(device, request):
     from transformers import CompileConfig
 
     model = apply_flashcore_to_llama(tiny_llama("gqa", seed_of(request), device), backend="torch")
     mine = CompileConfig(mode="max-autotune")
     model.generation_config.compile_config = mine
-    remove_flashcore(use_layer_kernels(model))
+    remove_flashcore(apply_flashcore_to_llama(model, backend="torch", layer_kernels=True))
     assert model.generation_config.compile_config is mine

@@ -1,0 +1,105 @@
+"""A fork of transformers' ``LlamaAttention.forward`` and ``LlamaMLP.forward`` (``models/llama/modeling_llama.py``,
+transformers 5.17 through 5.24: the two ends differ only in the cache keyword, ``past_key_values`` until 5.24 and
+``cache`` from it, and in 5.24 passing its kwargs on to ``cache.update``; Qwen2's and Mistral's attention differ from
+Llama's only in passing their ``sliding_window``). It is installed per instance, only on models that use one of the
+options below, and no other file of flashcore forks transformers code.
+
+Two options of :func:`~flashcore.integrations.llama.apply_flashcore_to_llama` change what happens *inside* these
+forwards, and transformers has no extension point there:
+
+- ``layer_kernels=True`` replaces the RoPE, which ``LlamaAttention.forward`` calls as the module-level function
+  ``apply_rotary_pos_emb``. Its only hook, ``use_kernelized_func`` / ``use_kernel_forward_from_hub``, exists only
+  with the optional ``kernels`` package installed and maps names to kernels hosted on the Hub; without it the
+  decorators are no-ops. Reassigning ``modeling_llama.apply_rotary_pos_emb`` would change every model in the
+  process, patched or not. It also replaces the SiLU-and-mul of ``LlamaMLP.forward``
+  (``act_fn(gate_proj(x)) * up_proj(x)``), which is not a module of its own.
+- ``fuse_projections=True`` computes q, k and v (and gate and up) with one GEMM, whose output the stock forwards
+  cannot take: they call each projection module separately.
+
+Each forward here is the stock one with exactly those two switches, read from per-instance attributes that the
+feature modules set (``_fused_projection``: :mod:`~flashcore.integrations.fused_projections`;
+``_uses_layer_kernels``: :mod:`~flashcore.integrations.layer_kernels`); with both off it computes what the stock
+forward computes. The attention function is looked up as transformers looks it up, so the fork runs whichever
+attention the model is set to. Only :func:`sync_forwards`, called by ``apply_flashcore_to_llama`` and
+``remove_flashcore`` once the switches are set, installs or removes these forwards.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
+
+from flashcore import layer_ops
+
+SWITCHES = ("_fused_projection", "_uses_layer_kernels")
+
+
+def sync_forwards(model: torch.nn.Module) -> None:
+    """Gives each layer's attention and MLP the forward below while a switch is on, and its class forward otherwise."""
+    for layer in model.base_model.layers:
+        for module, forward in ((layer.self_attn, attention_forward), (layer.mlp, mlp_forward)):
+            if any(switch in module.__dict__ for switch in SWITCHES):
+                module.forward = types.MethodType(forward, module)
+            else:
+                module.__dict__.pop("forward", None)
+
+
+def attention_forward(
+    self,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``LlamaAttention.forward``; the decoder layer passes the cache as ``cache`` (5.24) or ``past_key_values``."""
+    cache = kwargs.pop("cache", None)
+    cache = kwargs.pop("past_key_values", None) if cache is None else cache
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+
+    fused = self.__dict__.get("_fused_projection")
+    if fused is not None:
+        projected = fused(hidden_states)
+    else:
+        projected = (self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states))
+    query_states, key_states, value_states = (states.view(hidden_shape).transpose(1, 2) for states in projected)
+
+    cos, sin = position_embeddings
+    if self.__dict__.get("_uses_layer_kernels"):
+        query_states, key_states = layer_ops.apply_rotary_embedding(query_states, key_states, cos, sin)
+    else:
+        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+
+    if cache is not None:
+        key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
+
+    attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, eager_attention_forward
+    )
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        sliding_window=getattr(self, "sliding_window", None),  # Qwen2's and Mistral's forward pass theirs
+        **kwargs,
+    )
+
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    attn_output = self.o_proj(attn_output)
+    return attn_output, attn_weights
+
+
+def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``LlamaMLP.forward``."""
+    fused = self.__dict__.get("_fused_projection")
+    gate, up = fused(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
+    if self.__dict__.get("_uses_layer_kernels"):
+        return self.down_proj(layer_ops.silu_and_mul(gate, up))
+    return self.down_proj(self.act_fn(gate) * up)
