@@ -97,10 +97,15 @@ def flashcore_attention(
         # the prefill's attention; the gather below gives a padded prefill contiguous ones too.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     elif attention_mask is not None:
-        if attention_mask.dim() != 2 or attention_mask.dtype != QUERY_LENS_DTYPE:
+        if attention_mask.dim() != 2:
             raise NotImplementedError(
-                f"flashcore takes a 2-D padding mask only, got a {attention_mask.dim()}-D attention_mask of "
-                f"{attention_mask.dtype}; pass the tokenizer's [B, S] mask"
+                f"flashcore takes a 2-D padding mask only, got a {attention_mask.dim()}-D attention_mask; pass the "
+                f"tokenizer's [B, S] mask"
+            )
+        if attention_mask.dtype != QUERY_LENS_DTYPE:
+            raise TypeError(
+                f"attention_mask must be flashcore_padding_mask's {QUERY_LENS_DTYPE} [B, S_q] mask, got "
+                f"{attention_mask.dtype}; let the model build it (the registered mask function does)"
             )
         if num_new == 1:
             query_lens = attention_mask.view(-1)

@@ -492,6 +492,8 @@ def test_refuses_what_it_cannot_run(model, generator, device):
         model(input_ids, **{CACHE_ARGUMENT_NAME: DynamicCache(config=model.config)})
     with pytest.raises(NotImplementedError, match="inference-only"), torch.enable_grad():
         model(input_ids, use_cache=False)
+    with pytest.raises(NotImplementedError, match="2-D padding mask"):
+        model(input_ids, attention_mask=torch.ones((1, 1, 5, 5), dtype=torch.bool, device=device), use_cache=False)
     with pytest.raises(ValueError, match="backend"):
         apply_flashcore_to_llama(model, backend="cuda")
 
