@@ -125,7 +125,8 @@ def _check_runs(tensor: torch.Tensor, name: str) -> None:
     if not (tensor.is_cuda or triton_interpreter_enabled()):
         raise NotImplementedError(
             f"flashcore's layer kernels run on CUDA tensors, or on the CPU with TRITON_INTERPRET=1 set before triton "
-            f"is imported; {name} is on {tensor.device}. Keep the model's own layers on the CPU (remove_layer_kernels)"
+            f"is imported; {name} is on {tensor.device}. On the CPU keep the model's own layers: "
+            f"apply_flashcore_to_llama(model, layer_kernels=False)"
         )
     if tensor.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} dtype must be one of {SUPPORTED_DTYPES}, got {tensor.dtype}")
