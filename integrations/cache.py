@@ -25,6 +25,8 @@ from flashcore.cache import KVCache, allocate_kv_cache
 from flashcore.ops import attention_with_kv_cache
 
 DeviceLike = torch.device | str | int
+# What FlashCoreCache reads of a config to size its layers (LlamaConfig's names).
+_LLAMA_CONFIG_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size")
 
 
 class FlashCoreLayer(CacheLayerMixin):
@@ -159,6 +161,12 @@ class FlashCoreCache(Cache):
         backend: str | None = None,
     ) -> None:
         text_config = config.get_text_config(decoder=True)
+        missing = [name for name in _LLAMA_CONFIG_FIELDS if getattr(text_config, name, None) is None]
+        if missing:
+            raise NotImplementedError(
+                f"FlashCoreCache holds LLaMA-family caches (llama, mistral, qwen2 configs); this config "
+                f"(model_type {getattr(text_config, 'model_type', None)!r}) has no {', '.join(missing)}"
+            )
         check_full_attention_only(text_config)
         if not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise ValueError(f"max_cache_len must be a positive int (tokens per row), got {max_cache_len!r}")
@@ -183,6 +191,9 @@ class FlashCoreCache(Cache):
         # each): while it shows room, no forward needs a host read to check capacity. None for good once a step ran
         # under capture or compilation, whose replays advance the rows without running Python.
         self._host_length: int | None = 0
+        # True from a patched decoder's pre-hook to its last layer (eager forwards): update() refuses to serve a
+        # forward that no patched decoder announced, whose stock attention would never see the cached tokens.
+        self.in_patched_forward = False
         self.backend = backend
         if max_batch_size is not None and dtype is not None and device is not None:
             num_kv_heads = text_config.num_key_value_heads
@@ -210,9 +221,27 @@ class FlashCoreCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Allocates the layer on first use and returns ``(key_states, value_states)``; nothing is copied."""
-        if not self.layers[layer_idx].is_initialized:
+        """Allocates the layer on first use and returns ``(key_states, value_states)``; nothing is copied.
+
+        Refuses a forward of a model that :func:`~flashcore.integrations.llama.apply_flashcore_to_llama` did not
+        patch (eagerly; a compiled or captured step was announced when it was traced), and a batch other than the
+        one the cache was allocated for.
+        """
+        if not self.in_patched_forward and not is_capturing_or_tracing():
+            raise RuntimeError(
+                "FlashCoreCache was passed to a model that apply_flashcore_to_llama has not patched: its attention "
+                "would never see the cached tokens. Call flashcore.integrations.llama.apply_flashcore_to_llama(model) "
+                "first, or give the unpatched model a transformers DynamicCache"
+            )
+        layer = self.layers[layer_idx]
+        if not layer.is_initialized:
             self._allocate_layer(layer_idx, key_states)
+        elif key_states.shape[0] != layer.batch_size:
+            raise ValueError(
+                f"FlashCoreCache was allocated for max_batch_size={layer.batch_size} rows, but this forward has "
+                f"{key_states.shape[0]}; build the cache with max_batch_size={key_states.shape[0]}, or leave "
+                f"max_batch_size None to take it from the first forward. Nothing was written"
+            )
         return key_states, value_states
 
     def append_and_attend(
@@ -255,6 +284,8 @@ class FlashCoreCache(Cache):
         if layer_idx == len(self.layers) - 1:
             for logical_length in self._logical_lengths.values():
                 logical_length.add_(num_new)
+            if not is_capturing_or_tracing():
+                self.in_patched_forward = False
         return out
 
     def reset(self) -> None:

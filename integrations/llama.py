@@ -42,7 +42,7 @@ from transformers import AttentionInterface, DynamicCache, PreTrainedModel, Stat
 from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaModel  # noqa: E402
 
-from flashcore.backends import BACKENDS  # noqa: E402
+from flashcore.backends import BACKENDS, is_capturing_or_tracing  # noqa: E402
 from flashcore.integrations import fused_projections as _fused_projections  # noqa: E402
 from flashcore.integrations import layer_kernels as _layer_kernels  # noqa: E402
 from flashcore.integrations import llama_forward_fork  # noqa: E402
@@ -219,6 +219,8 @@ def _patch(model: PreTrainedModel, decoder: torch.nn.Module, backend: str) -> _F
             cache = kwargs[CACHE_ARGUMENT_NAME] = _cache_for_forward(module, args, kwargs)
         elif not isinstance(cache, FlashCoreCache):
             raise TypeError(_WRONG_CACHE.format(type(cache).__name__))
+        if cache is not None and not is_capturing_or_tracing():
+            cache.in_patched_forward = True  # until the last layer's step; see FlashCoreCache.update
         kwargs["flashcore_cache"] = cache
         return args, kwargs
 
