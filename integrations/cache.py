@@ -227,7 +227,8 @@ class FlashCoreCache(Cache):
         patch (eagerly; a compiled or captured step was announced when it was traced), and a batch other than the
         one the cache was allocated for.
         """
-        if not self.in_patched_forward and not is_capturing_or_tracing():
+        # Context first: a traced or captured step reads no Python state (dynamo would guard on it).
+        if not is_capturing_or_tracing() and not self.in_patched_forward:
             raise RuntimeError(
                 "FlashCoreCache was passed to a model that apply_flashcore_to_llama has not patched: its attention "
                 "would never see the cached tokens. Call flashcore.integrations.llama.apply_flashcore_to_llama(model) "
