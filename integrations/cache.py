@@ -223,17 +223,10 @@ class FlashCoreCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Allocates the layer on first use and returns ``(key_states, value_states)``; nothing is copied.
 
-        Refuses a forward of a model that :func:`~flashcore.integrations.llama.apply_flashcore_to_llama` did not
-        patch (eagerly; a compiled or captured step was announced when it was traced), and a batch other than the
-        one the cache was allocated for.
+        Refuses keys that do not match the cache (dtype, device, a batch other than the allocated one), and a
+        forward of a model that :func:`~flashcore.integrations.llama.apply_flashcore_to_llama` did not patch
+        (eagerly; a compiled or captured step was announced when it was traced).
         """
-        # Context first: a traced or captured step reads no Python state (dynamo would guard on it).
-        if not is_capturing_or_tracing() and not self.in_patched_forward:
-            raise RuntimeError(
-                "FlashCoreCache was passed to a model that apply_flashcore_to_llama has not patched: its attention "
-                "would never see the cached tokens. Call flashcore.integrations.llama.apply_flashcore_to_llama(model) "
-                "first, or give the unpatched model a transformers DynamicCache"
-            )
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             self._allocate_layer(layer_idx, key_states)
@@ -242,6 +235,13 @@ class FlashCoreCache(Cache):
                 f"FlashCoreCache was allocated for max_batch_size={layer.batch_size} rows, but this forward has "
                 f"{key_states.shape[0]}; build the cache with max_batch_size={key_states.shape[0]}, or leave "
                 f"max_batch_size None to take it from the first forward. Nothing was written"
+            )
+        # Context first: a traced or captured step reads no Python state (dynamo would guard on it).
+        if not is_capturing_or_tracing() and not self.in_patched_forward:
+            raise RuntimeError(
+                "FlashCoreCache was passed to a model that apply_flashcore_to_llama has not patched: its attention "
+                "would never see the cached tokens. Call flashcore.integrations.llama.apply_flashcore_to_llama(model) "
+                "first, or give the unpatched model a transformers DynamicCache"
             )
         return key_states, value_states
 
