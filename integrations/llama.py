@@ -27,7 +27,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import transformers
+
+try:
+    import transformers
+except ModuleNotFoundError as error:
+    if error.name != "transformers":
+        raise
+    raise ImportError(
+        "flashcore.integrations.llama needs transformers, which flashcore's [hf] extra installs: "
+        'pip install "flashcore[hf]" (from a checkout: pip install -e ".[hf]")'
+    ) from error
+# After the check: packaging comes with transformers, not with flashcore.
 from packaging.version import Version
 
 MIN_SUPPORTED_TRANSFORMERS_VERSION = "5.17.0"
