@@ -458,6 +458,11 @@ def warm_up(model, tokenizer, session: Session, args: argparse.Namespace) -> Non
 
 
 def main(args: argparse.Namespace) -> None:
+    for package in ("torch", "transformers"):
+        if importlib.util.find_spec(package) is None:
+            raise UserError(
+                f'this example needs {package}, which flashcore\'s [chat] extra installs: pip install -e ".[chat]"'
+            )
     folder, gguf_file = resolve_model_path(args.model)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device, is_gguf=gguf_file is not None)

@@ -238,3 +238,23 @@ def test_usage_error_exits_before_importing_torch():
     imported = re.findall(r"^import time:.*\|\s*([\w.]+)$", result.stderr, flags=re.MULTILINE)
     assert "argparse" in imported  # the harness sees imports at all
     assert not [name for name in imported if name.split(".")[0] in ("torch", "transformers", "flashcore")]
+
+
+@pytest.mark.parametrize("package", ["torch", "transformers"])
+def test_missing_package_names_the_chat_extra(package):
+    """Without the [chat] extra the script says which extra to install, not a bare ModuleNotFoundError."""
+    blocked = (
+        f"import runpy, sys; sys.modules[{package!r}] = None; sys.argv = [{str(SCRIPT)!r}, '--prompt', 'hi']; "
+        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", blocked],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=user_env(),
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 2, result.stderr
+    assert f"needs {package}" in result.stderr and '".[chat]"' in result.stderr
+    assert "Traceback" not in result.stderr
