@@ -36,6 +36,7 @@ import platform
 import pstats
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,37 +44,18 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 SIDES = ("stock", "flashcore")
-CONFIGS = {
-    # Llama-3.2-1B (tied embeddings, llama3 RoPE), random weights.
-    "llama-3.2-1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        intermediate_size=8192,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 32.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192,
-        },
-    ),
-    # The same depth and head layout, tiny widths: on the CPU the step is then mostly Python.
-    "small": dict(
-        hidden_size=128,
-        num_hidden_layers=16,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=256,
-        vocab_size=1024,
-    ),
-}
+# "llama-3.2-1b" is bench_generate's model (benchmarks/bench_generate.py, build_config); "small" keeps its depth and
+# head layout at tiny widths, so that on the CPU the step is mostly Python.
+SMALL = dict(
+    hidden_size=128,
+    num_hidden_layers=16,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=256,
+    vocab_size=1024,
+)
+CONFIGS = ("llama-3.2-1b", "small")
 
 
 def parse_args() -> argparse.Namespace:
@@ -109,14 +91,14 @@ def build_model(args: argparse.Namespace):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     name = args.config or ("llama-3.2-1b" if args.device == "cuda" else "small")
-    config = LlamaConfig(
-        **CONFIGS[name],
-        max_position_embeddings=8192,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=None,  # random weights: never stop early
-        attn_implementation="sdpa",
-    )
+    if name == "llama-3.2-1b":
+        sys.path.insert(0, str(REPO / "benchmarks"))
+        from bench_generate import build_config
+
+        config = build_config(is_tiny=False)
+    else:
+        config = LlamaConfig(**SMALL, pad_token_id=0, eos_token_id=None)  # random weights: never stop early
+    config._attn_implementation = "sdpa"
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
     with torch.device(args.device):
