@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ON_GPU
-from test_hf_llama import bf16_llama, random_prompts, seed_of, tiny_llama
+from hf_models import bf16_llama, random_prompts, seed_of, tiny_llama
 
 from flashcore.integrations.decode_session import DecodeSession, chunked_argmax
 from flashcore.integrations.llama import (

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hf_llama import PAD_ID, random_prompts, seed_of, tiny_llama, tiny_same_attention_model
+from hf_models import PAD_ID, random_prompts, seed_of, tiny_llama, tiny_same_attention_model
 
 from flashcore.integrations.cache import FlashCoreCache
 from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, apply_flashcore_to_llama, remove_flashcore

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DTYPES, ON_GPU, randn
-from test_hf_llama import PAD_ID, bf16_llama, random_prompts, seed_of, tiny_llama
+from hf_models import PAD_ID, bf16_llama, random_prompts, seed_of, tiny_llama
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from flashcore import layer_ops
