@@ -91,10 +91,11 @@ def flashcore_attention(
         )
     num_new = query.shape[2]
     query_lens = order = None
-    if attention_mask is None and num_new > 1:
+    if attention_mask is None and num_new > 1 and query.is_cuda:
         # HF's projections leave q/k/v in [B, S_q, H, D] storage; the Gluon prefill kernel reads them through 2-D TMA
         # descriptors and takes contiguous ones only (flashcore.kernels). One copy each per prefill, small against
-        # the prefill's attention; the gather below gives a padded prefill contiguous ones too.
+        # the prefill's attention; the gather below gives a padded prefill contiguous ones too. The CPU's kernels
+        # take any strides, so the CPU skips the copies.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     elif attention_mask is not None:
         if attention_mask.dim() != 2:
