@@ -84,6 +84,8 @@ class Engine:
         max_num_tokens: the most tokens one step feeds (decode rows count one each); prompts longer than what is
             left are prefilled in chunks over several steps.
         use_cuda_graph: replay decode-only steps as CUDA graphs (default: when the model is on CUDA).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` for the engine's attention launches; None (default) keeps
+            the backend the model was patched with (``apply_flashcore_to_llama``'s default: ``"auto"``).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class Engine:
         max_queue: int = 64,
         max_num_tokens: int = 512,
         use_cuda_graph: bool | None = None,
+        backend: str | None = None,
     ) -> None:
         for name, value in (
             ("max_batch_size", max_batch_size),
@@ -121,7 +124,12 @@ class Engine:
         if self.use_cuda_graph and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graph=True needs the model on CUDA, it is on {self.device}")
         self.cache = EngineCache(
-            model.config, num_rows=max_batch_size, max_cache_len=max_cache_len, device=self.device, dtype=model.dtype
+            model.config,
+            num_rows=max_batch_size,
+            max_cache_len=max_cache_len,
+            device=self.device,
+            dtype=model.dtype,
+            backend=backend,
         )
         self.rows = [Row(index) for index in range(max_batch_size)]
         self.eos_token_ids = _eos_token_ids(model, tokenizer)
@@ -359,12 +367,14 @@ class Engine:
             logits = self._decode_step(feeds)
         else:
             logits = self._packed_step(feeds, sampling)
-        tokens = select_tokens(
-            logits,
-            [row.request.params for row in sampling],
-            [row.request.generator for row in sampling],
-            self._generator,
-        ).tolist()  # the step's one host sync
+        tokens = []
+        if sampling:
+            tokens = select_tokens(
+                logits,
+                [row.request.params for row in sampling],
+                [row.request.generator for row in sampling],
+                self._generator,
+            ).tolist()  # the step's one host sync
         for row, chunk in feeds:
             row.tokens.extend(chunk)
             row.last_used = self._steps
@@ -411,7 +421,7 @@ class Engine:
         )
         input_ids = torch.tensor([tokens], device=device)
         position_ids = torch.tensor([positions], device=device)
-        return self._run_model(input_ids, position_ids, layout, torch.tensor(keep, device=device))[0]
+        return self._run_model(input_ids, position_ids, layout, torch.tensor(keep, dtype=torch.long, device=device))[0]
 
     def _run_model(self, input_ids, position_ids, layout: StepLayout, logits_to_keep) -> torch.Tensor:
         self.cache.layout = layout
