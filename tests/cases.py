@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
 import torch
 from conftest import randn
 from oracle import CallInputs, make_call_inputs
 
 import flashcore
 
-BACKENDS = ["torch", "triton"]
+# The torch backend twice: its default kernel (SDPA), and its reference forced (conftest's torch_kernel fixture).
+TORCH_SDPA = pytest.param("torch", marks=pytest.mark.torch_kernel("torch.sdpa"), id="torch")
+TORCH_REFERENCE = pytest.param("torch", marks=pytest.mark.torch_kernel("torch.reference"), id="torch_reference")
+BACKENDS = [TORCH_SDPA, TORCH_REFERENCE, "triton"]
 
 
 def call_with_query_lens(inputs: CallInputs, **kwargs):

@@ -36,6 +36,12 @@ TOLERANCES = {
 }
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "torch_kernel(name): the torch backend's kernel this case runs (see the torch_kernel fixture)"
+    )
+
+
 @pytest.fixture
 def device() -> torch.device:
     # Indexed ("cuda:0"), as tensor.device always is, so that device equality checks compare like with like.
@@ -75,3 +81,35 @@ def kernels_run(monkeypatch) -> list[str]:
 
     monkeypatch.setattr(flashcore.kernels, "select_kernel", recording_select_kernel)
     return names
+
+
+@pytest.fixture(autouse=True)
+def torch_kernel(request, monkeypatch) -> str | None:
+    """For a case marked ``torch_kernel(NAME)`` (``cases.BACKENDS``), the torch kernel it must run, else None.
+
+    The torch backend's row holds two kernels: ``torch.sdpa`` takes every call it can (on the CPU, all of them) and
+    ``torch.reference`` the rest, so without help the reference would go untested. A case marked with the reference
+    gets a row of the reference alone; either way every torch call of the case is checked, after the test, to have
+    run the named kernel."""
+    marker = request.node.get_closest_marker("torch_kernel")
+    if marker is None:
+        yield None
+        return
+    import flashcore.kernels
+
+    name = marker.args[0]
+    row = flashcore.kernels.ATTENTION_KERNELS["torch"]
+    if name != row[0].NAME:
+        monkeypatch.setitem(flashcore.kernels.ATTENTION_KERNELS, "torch", tuple(k for k in row if k.NAME == name))
+    torch_kernels_run: list[str] = []
+    select_kernel = flashcore.kernels.select_kernel
+
+    def recording_select_kernel(call, backend):
+        kernel = select_kernel(call, backend)
+        if backend == "torch":
+            torch_kernels_run.append(kernel.NAME)
+        return kernel
+
+    monkeypatch.setattr(flashcore.kernels, "select_kernel", recording_select_kernel)
+    yield name
+    assert torch_kernels_run and set(torch_kernels_run) == {name}, f"expected {name} to run, got {torch_kernels_run}"

@@ -21,6 +21,8 @@ from oracle import check_call
 
 import flashcore
 import flashcore.backends
+from flashcore import reference
+from flashcore.kernels.torch import sdpa as torch_sdpa
 from flashcore.kernels.triton import attention as triton_attention
 
 
@@ -234,7 +236,7 @@ def test_backend_dispatch(backend, device, kernels_run, make_inputs):
     is kept."""
     runs_triton = device.type == "cuda" or flashcore.backends.triton_interpreter_enabled()
     expected = {"auto": "triton" if runs_triton else "torch", "torch": "torch", "triton": "triton"}[backend]
-    expected = {"torch": "torch.reference", "triton": triton_attention.NAME}[expected]
+    expected = {"torch": torch_sdpa.NAME, "triton": triton_attention.NAME}[expected]
 
     dtype = DTYPES[0]
     inputs = make_inputs(
@@ -261,5 +263,17 @@ def test_auto_picks_torch_without_interpreter(monkeypatch, kernels_run, make_inp
         query_lens=[2],
     )
     out, returned = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
-    assert kernels_run == ["torch.reference"]
+    assert kernels_run == [torch_sdpa.NAME]
     check_call(inputs, out, returned, atol=TOLERANCES[torch.float32], is_causal=True)
+
+
+def test_torch_backend_runs_the_reference_where_host_reads_are_illegal(monkeypatch, kernels_run, make_inputs):
+    """torch.sdpa reads seq_lens on the host, which CUDA-graph capture and torch.compile tracing forbid; there the
+    torch backend's row goes on to the reference, which has no host read in that context."""
+    monkeypatch.setattr(torch_sdpa, "is_capturing_or_tracing", lambda: True)
+    inputs = make_inputs(
+        dtype=DTYPES[0], num_q_heads=6, num_kv_heads=2, head_dim=16, capacity=12, seq_lens=[3, 7], query_lens=[4, 2]
+    )
+    out, returned = call_with_query_lens(inputs, backend="torch")
+    assert kernels_run == [reference.NAME]
+    check_call(inputs, out, returned, atol=TOLERANCES[DTYPES[0]], is_causal=True)

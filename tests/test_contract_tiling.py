@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import BACKENDS, call_with_query_lens, inputs_maker
+from cases import BACKENDS, TORCH_REFERENCE, TORCH_SDPA, call_with_query_lens, inputs_maker
 from conftest import DTYPES, TOLERANCES
 from oracle import check_call
 
@@ -22,7 +22,8 @@ from flashcore.kernels.triton import split_merge
 # The triton backend merges a split prefix either in the attention launch (eager) or in a second launch
 # (under CUDA-graph capture); the split-KV tests force each placement so that both run on every device.
 SPLIT_MERGE_CASES = [
-    pytest.param("torch", None, id="torch"),
+    pytest.param(*TORCH_SDPA.values, None, marks=TORCH_SDPA.marks, id=TORCH_SDPA.id),
+    pytest.param(*TORCH_REFERENCE.values, None, marks=TORCH_REFERENCE.marks, id=TORCH_REFERENCE.id),
     pytest.param("triton", True, id="triton-merge_in_launch"),
     pytest.param("triton", False, id="triton-merge_second_launch"),
 ]

@@ -1,9 +1,10 @@
 """Property test: random shapes, lengths and masks against the fp64 oracle, with every contract rule checked.
 
-Hypothesis draws the sizes (B, H_kv, group, S_q, D, S_max), per-row ``seq_lens`` and ``query_lens``, causal
-or not, a window or not, and a seed for the N(0, 1) data. Each example then goes through
-:func:`oracle.check_call`. The search is derandomized so that CI sees the same examples every run; the
-triton backend gets few examples on the CPU because every interpreter launch costs ~0.1-0.3 s.
+Hypothesis draws the sizes (B, H_kv, group, S_q, D, S_max), per-row ``seq_lens`` and ``query_lens`` (or one
+length for every row and no ``query_lens``: a uniform batch), causal or not, a window or not, and a seed for the
+N(0, 1) data. Each example then goes through :func:`oracle.check_call`. The search is derandomized so that CI
+sees the same examples every run; the triton backend gets few examples on the CPU because every interpreter launch
+costs ~0.1-0.3 s.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from cases import BACKENDS
 from conftest import DTYPES, ON_GPU, TOLERANCES, randn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,6 +31,7 @@ class Case:
     capacity: int
     seq_lens: list[int]
     query_lens: list[int]
+    is_uniform: bool
     is_causal: bool
     sliding_window: int | None
     dtype: torch.dtype
@@ -40,8 +43,13 @@ def cases(draw) -> Case:
     batch = draw(st.integers(1, 4))
     num_new = draw(st.sampled_from([1, 1, 2, 3, 5, 8, 16, 17, 33]))
     capacity = draw(st.integers(num_new, 96))
-    query_lens = draw(st.lists(st.integers(0, num_new), min_size=batch, max_size=batch))
-    seq_lens = [draw(st.integers(0, capacity - new)) for new in query_lens]
+    is_uniform = draw(st.booleans())
+    if is_uniform:  # every row the same length and S_q new tokens, query_lens None: one batched call on SDPA
+        query_lens = [num_new] * batch
+        seq_lens = [draw(st.integers(0, capacity - num_new))] * batch
+    else:
+        query_lens = draw(st.lists(st.integers(0, num_new), min_size=batch, max_size=batch))
+        seq_lens = [draw(st.integers(0, capacity - new)) for new in query_lens]
     return Case(
         num_kv_heads=draw(st.integers(1, 3)),
         group=draw(st.sampled_from([1, 2, 3, 4, 7, 8])),
@@ -50,6 +58,7 @@ def cases(draw) -> Case:
         capacity=capacity,
         seq_lens=seq_lens,
         query_lens=query_lens,
+        is_uniform=is_uniform,
         is_causal=draw(st.booleans()),
         sliding_window=draw(st.none() | st.integers(1, 40)),
         dtype=draw(st.sampled_from(DTYPES)),
@@ -60,13 +69,14 @@ def cases(draw) -> Case:
 # The torch backend is cheap; the triton interpreter pays per launch, so it gets a small budget on the CPU.
 # On the GPU nearly every example compiles a new kernel specialization (~3 s each), so the GPU run draws
 # fewer; on the CPU the interpreter compiles nothing but runs each launch slowly.
-EXAMPLES = {"torch": 300, "triton": 60 if ON_GPU else 100}
+# The torch reference runs only where the SDPA kernel may not (graph capture, compile tracing), so it gets fewer.
+EXAMPLES = {"torch.sdpa": 300, "torch.reference": 100, "triton": 60 if ON_GPU else 100}
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_matches_oracle(backend, device):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_oracle(backend, torch_kernel, device):
     @settings(
-        max_examples=EXAMPLES[backend],
+        max_examples=EXAMPLES[torch_kernel or backend],
         deadline=None,
         derandomize=True,
         database=None,
@@ -93,7 +103,7 @@ def test_matches_oracle(backend, device):
             inputs.key,
             inputs.value,
             inputs.cache,
-            query_lens=torch.tensor(case.query_lens, dtype=torch.int32, device=device),
+            query_lens=None if case.is_uniform else torch.tensor(case.query_lens, dtype=torch.int32, device=device),
             is_causal=case.is_causal,
             sliding_window=case.sliding_window,
             backend=backend,

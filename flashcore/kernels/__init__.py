@@ -13,11 +13,17 @@ backend     kernel (``NAME``)       takes
                                     D in ``configs.GLUON_PREFILL.head_dims``; no window; contiguous q/k/v
 ``triton``  ``triton.attention``    everything else on CUDA, and on the CPU under ``TRITON_INTERPRET=1``:
                                     prefill, decode and mixed rows, windows, split-KV, any strides, fp32
-``torch``   ``torch.reference``     any device (the CPU default): plain PyTorch, ``flashcore/reference.py``
+``torch``   ``torch.sdpa``          any device, except where ``seq_lens`` may not be read on the host (CUDA-graph
+                                    capture, ``torch.compile`` tracing): in-place append and
+                                    ``F.scaled_dot_product_attention``, ``flashcore/kernels/torch/sdpa.py``
+``torch``   ``torch.reference``     everything else: plain PyTorch, the readable statement of the contract,
+                                    ``flashcore/reference.py``
 ==========  ======================  =====================================================================
 
 The Gluon kernels exist where a measured gap justified a second body (benchmarks/NOTES.md, entries 26-31); the
-Triton kernel takes every call, so the table never runs out. Nothing falls back from one backend to the other.
+Triton kernel takes every call, so the table never runs out. On the torch row, SDPA is the CPU default (issue 26:
+the reference was slower than stock transformers) and the reference is the catch-all. Nothing falls back from one
+backend to the other.
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ from flashcore import reference
 from flashcore.kernels.call import KernelCall
 from flashcore.kernels.gluon_sm90 import decode as gluon_sm90_decode
 from flashcore.kernels.gluon_sm90 import prefill as gluon_sm90_prefill
+from flashcore.kernels.torch import sdpa as torch_sdpa
 from flashcore.kernels.triton import attention as triton_attention
 
 ATTENTION_KERNELS: dict[str, tuple[ModuleType, ...]] = {
     "triton": (gluon_sm90_decode, gluon_sm90_prefill, triton_attention),
-    "torch": (reference,),
+    "torch": (torch_sdpa, reference),
 }
 """For each resolved backend, its kernels in the order they are asked (see the module docstring)."""
 

@@ -1,0 +1,111 @@
+"""``torch.sdpa``: the torch backend's fast path, an in-place append and ``F.scaled_dot_product_attention``.
+
+The reference (``flashcore/reference.py``) rewrites the whole cached prefix through masks and materialises the
+full score matrix each call, which made CPU decode at 3,000 tokens ~3x slower than stock transformers (issue 26).
+This kernel reads ``seq_lens`` (and ``query_lens``) on the host once, writes only the new slots, and hands each
+row's written prefix to SDPA, so it never loads a slot past a row's end and garbage there cannot reach an output.
+A batch whose rows share their length and new-token count is one SDPA call; any other batch is one call per row
+(the CPU's batches are small). Grouped query heads that see the same keys are packed into one KV head's rows
+(``[B, H_kv, group * S_q, D]``), so SDPA reads each K/V head once without a ``repeat_interleave`` copy.
+
+The host read is illegal while a CUDA graph is being captured or ``torch.compile`` traces; the reference, which
+has no host read there, takes those calls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from flashcore.backends import is_capturing_or_tracing
+from flashcore.kernels.call import KernelCall
+
+NAME = "torch.sdpa"
+
+
+def supports(call: KernelCall) -> bool:
+    """Every call where ``seq_lens`` may be read on the host: not under graph capture or compile tracing."""
+    return not is_capturing_or_tracing()
+
+
+def run(call: KernelCall) -> torch.Tensor:
+    """The contract of :func:`flashcore.ops.attention_with_kv_cache`, for a validated call."""
+    query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window = call
+    batch, _, num_new, _ = query.shape
+    capacity = k_cache.shape[2]
+    if num_new == 0:
+        return torch.empty_like(query)
+    lengths = seq_lens.tolist()
+    news = query_lens.tolist() if query_lens is not None else [num_new] * batch
+    # As the reference does, should check=False let a bad length through: a negative length counts as 0, and
+    # tokens past capacity are attended by their queries but not stored.
+    cached = [min(max(length, 0), capacity) for length in lengths]
+
+    if len(set(cached)) == 1 and all(new == num_new for new in news) and cached[0] + num_new <= capacity:
+        # -- uniform batch: one append, one SDPA call --
+        start, end = cached[0], cached[0] + num_new
+        k_cache[:, :, start:end] = key
+        v_cache[:, :, start:end] = value
+        out = _attend(query, k_cache[:, :, :end], v_cache[:, :, :end], start, is_causal, scale, sliding_window)
+    else:
+        # -- one row at a time; padding rows (i >= n_b) stay zero --
+        out = torch.zeros_like(query, memory_format=torch.contiguous_format)
+        for b in range(batch):
+            start, new = cached[b], news[b]
+            if new == 0:
+                continue
+            end = min(start + new, capacity)
+            k_cache[b, :, start:end] = key[b, :, : end - start]
+            v_cache[b, :, start:end] = value[b, :, : end - start]
+            rows = slice(b, b + 1)
+            out[rows, :, :new] = _attend(
+                query[rows, :, :new],
+                k_cache[rows, :, :end],
+                v_cache[rows, :, :end],
+                start,
+                is_causal,
+                scale,
+                sliding_window,
+            )
+
+    if query_lens is not None:
+        seq_lens.add_(query_lens)
+    else:
+        seq_lens.add_(num_new)
+    return out.contiguous()
+
+
+def _attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    is_causal: bool,
+    scale: float,
+    sliding_window: int,
+) -> torch.Tensor:
+    """``query [B, H_q, n, D]`` over every slot of ``keys``/``values [B, H_kv, kv_len, D]``, all of them written;
+    new token i sits at position ``start + i``. Returns ``[B, H_q, n, D]``."""
+    batch, num_q_heads, num_new, head_dim = query.shape
+    num_kv_heads, kv_len = keys.shape[1], keys.shape[2]
+    group = num_q_heads // num_kv_heads
+    # The window hides slot j from position p when j <= p - W; no slot is hidden when the last position is < W.
+    has_window = sliding_window > 0 and start + num_new - 1 >= sliding_window
+    # Causal hides slots > p; a single new token sits at (or, past capacity, after) the last slot and sees them all.
+    has_causal = is_causal and num_new > 1
+    if has_causal and not has_window and start == 0 and num_new == kv_len:
+        # A prefill on an empty row: bottom-right is top-left, and SDPA's own causal path skips masked blocks.
+        return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=group > 1)
+    mask = None
+    if has_causal or has_window:
+        positions = torch.arange(start, start + num_new, device=query.device)[:, None]
+        slots = torch.arange(kv_len, device=query.device)[None, :]
+        mask = torch.ones(num_new, kv_len, dtype=torch.bool, device=query.device)
+        if has_causal:
+            mask &= slots <= positions
+        if has_window:
+            mask &= slots > positions - sliding_window
+        mask = mask.repeat(group, 1)  # the packed rows: group copies of the n queries
+    packed = query.reshape(batch, num_kv_heads, group * num_new, head_dim)
+    out = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(batch, num_q_heads, num_new, head_dim)
