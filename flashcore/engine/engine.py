@@ -57,6 +57,9 @@ class Request:
     generated: list[int] = field(default_factory=list)
     pending: int | None = None  # the last selected token, fed by the next step
     text: str = ""  # the text sent so far
+    decoded: str = ""  # the text of generated[:read_offset]; more than `text` while a stop string may be starting
+    prefix_offset: int = 0
+    read_offset: int = 0
     finish_reason: str | None = None
 
     @property
@@ -213,6 +216,15 @@ class Engine:
                 "idle_rows": idle,
                 "max_batch_size": self.max_batch_size,
             }
+
+    def warm_up(self) -> None:
+        """Captures the decode step's CUDA graph for every bucket now (about a second), rather than on each bucket's
+        first use; a server calls it before it takes requests. Nothing on the CPU."""
+        if self._decode is not None:
+            with self._lock:
+                if any(row.request for row in self.rows):
+                    raise RuntimeError("warm_up() runs before the first request")
+                self._decode.capture_all()
 
     def has_work(self) -> bool:
         with self._lock:
@@ -447,23 +459,35 @@ class Engine:
         elif len(request.generated) >= params.max_tokens:
             reason = "length"
         request.pending = token
-        text_ids = request.generated[:-1] if reason == "stop" else request.generated
-        text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        if reason != "stop":  # a stop token is not text
+            self._detokenize(request, final=reason is not None)
+        text = request.decoded
         hold = 0
         if params.stop:
-            cut = min((i for i in (text.find(stop) for stop in params.stop) if i >= 0), default=-1)
+            since = max(0, len(request.text) - max(map(len, params.stop)))
+            cut = min((i for i in (text.find(stop, since) for stop in params.stop) if i >= 0), default=-1)
             if cut >= 0:
                 text, reason = text[:cut], "stop"
             elif reason is None:  # a stop string may be starting at the end: hold that tail back
                 starts = (n for stop in params.stop for n in range(1, len(stop)) if text.endswith(stop[:n]))
                 hold = max(starts, default=0)
-        if reason is None and text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
-            hold = max(hold, len(text) - len(text.rstrip("\ufffd")))
         new_text = text[len(request.text) : len(text) - hold]
         request.text += new_text
         if reason is not None:
             return self._finish(request, reason, [token], new_text)
         return self._output(request, [token], new_text, None)
+
+    def _detokenize(self, request: Request, final: bool) -> None:
+        """Extends ``request.decoded`` with the text of its new tokens, decoding a window of a few tokens rather than
+        the whole answer (vLLM's incremental detokenisation): the text of ``generated[prefix:read]`` is already in
+        ``decoded``, and decoding from ``prefix`` again keeps the tokenizer's spacing of the tokens that follow. A
+        character split across tokens decodes to U+FFFD and waits for the rest (unless the request ends)."""
+        ids = request.generated
+        prefix_text = self.tokenizer.decode(ids[request.prefix_offset : request.read_offset], skip_special_tokens=True)
+        text = self.tokenizer.decode(ids[request.prefix_offset :], skip_special_tokens=True)
+        if len(text) > len(prefix_text) and (final or not text.endswith("\ufffd")):
+            request.decoded += text[len(prefix_text) :]
+            request.prefix_offset, request.read_offset = request.read_offset, len(ids)
 
     def _finish(self, request: Request, reason: str, token_ids=(), text: str = "") -> RequestOutput:
         request.finish_reason = reason
@@ -528,16 +552,23 @@ class _DecodeGraphs:
         bucket = next(size for size in self.buckets if size >= rows)
         if bucket not in self.graphs:
             self.graphs[bucket] = self._capture(bucket)
-        host = torch.zeros(3, self.engine.max_batch_size, dtype=torch.long)
+        values = [0] * (3 * bucket)
         for row, chunk in feeds:
-            host[:, row.index] = torch.tensor([chunk[0], len(row.tokens), 1])
-        host = host.to(self.engine.device, non_blocking=True)
-        self.tokens.copy_(host[0, :, None])
-        self.positions.copy_(host[1, :, None])
-        self.query_lens.copy_(host[2])
+            values[row.index], values[bucket + row.index], values[2 * bucket + row.index] = chunk[0], len(row.tokens), 1
+        host = torch.tensor(values).view(3, bucket).to(self.engine.device, non_blocking=True)
+        self.tokens[:bucket].copy_(host[0, :, None])
+        self.positions[:bucket].copy_(host[1, :, None])
+        self.query_lens[:bucket].copy_(host[2])
         graph, logits = self.graphs[bucket]
         graph.replay()
+        if len(feeds) == rows:  # rows 0..rows-1 all step: no gather
+            return logits[:rows]
         return logits.index_select(0, torch.tensor([row.index for row, _ in feeds], device=self.engine.device))
+
+    def capture_all(self) -> None:
+        for bucket in self.buckets:
+            if bucket not in self.graphs:
+                self.graphs[bucket] = self._capture(bucket)
 
     def _capture(self, bucket: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         saved = self.query_lens.clone()
