@@ -16,6 +16,7 @@ import sys
 from flashcore.integrations.models import DEVICES, DTYPES, ModelLoadError, resolve_model_source
 
 API_KEY_ENV = "FLASHCORE_API_KEY"
+GRACEFUL_SHUTDOWN_S = 5
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SERVE_DESCRIPTION = "Serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)."
 
@@ -167,7 +168,10 @@ def serve(args: argparse.Namespace) -> int:
         f"api key {'required' if args.api_key else 'off'})",
         file=sys.stderr,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # On Ctrl-C or SIGTERM, open streams get GRACEFUL_SHUTDOWN_S to finish; then they are cancelled (freeing rows).
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+    )
     return 0
 
 
