@@ -236,7 +236,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rates", default="8,32", help="Poisson arrival rates, requests per second")
     parser.add_argument("--poisson-requests", type=int, default=256)
     parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--max-num-tokens", type=int, default=4096, help="the engine's token budget per step")
+    parser.add_argument("--max-num-tokens", type=int, default=2048, help="the engine's token budget per step")
     parser.add_argument("--sections", default="anchor,poisson,decode_64,lone")
     parser.add_argument("--hf-poisson-requests", type=int, default=64, help="requests for hf_continuous (slow)")
     parser.add_argument("--time-budget-s", type=float, default=540.0)
