@@ -161,6 +161,7 @@ def serve(args: argparse.Namespace) -> int:
         max_num_tokens=args.max_num_tokens,
         backend=backend,
     )
+    engine.warm_up()  # CUDA: every decode bucket's graph is captured before the first request (none on the CPU)
     app = build_app(engine, model_name=model_name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     print(
         f"[serve] {model_name} on http://{args.host}:{args.port}/v1 (backend={backend}, "
