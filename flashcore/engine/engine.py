@@ -147,7 +147,8 @@ class Engine:
         self._stopping = False
         self._generator = torch.Generator(device=self.device)
         self._generator.seed()
-        self._decode = _DecodeGraphs(self) if self.use_cuda_graph else None
+        self._decode = _DecodeBuffers(self)
+        self._launched: _Launched | None = None  # a decode step whose tokens are not read yet
 
     # -- the API (thread-safe) --
 
@@ -220,7 +221,7 @@ class Engine:
     def warm_up(self) -> None:
         """Captures the decode step's CUDA graph for every bucket now (about a second), rather than on each bucket's
         first use; a server calls it before it takes requests. Nothing on the CPU."""
-        if self._decode is not None:
+        if self.use_cuda_graph:
             with self._lock:
                 if any(row.request for row in self.rows):
                     raise RuntimeError("warm_up() runs before the first request")
@@ -228,7 +229,7 @@ class Engine:
 
     def has_work(self) -> bool:
         with self._lock:
-            return bool(self._waiting or self._cancelled) or any(row.request for row in self.rows)
+            return bool(self._waiting or self._cancelled or self._launched) or any(row.request for row in self.rows)
 
     def start(self) -> None:
         """Steps on a background thread while there is work, until :meth:`shutdown`."""
@@ -289,19 +290,41 @@ class Engine:
     # -- stepping --
 
     def step(self) -> None:
-        """One scheduling round and (when any row runs) one forward; calls the outputs' callbacks."""
+        """One scheduling round and (when any row runs) one forward; calls the outputs' callbacks.
+
+        Decode-only steps overlap the host with the device: a step launches its forward and returns, and the next
+        call reads its tokens. While nothing changes between two decode steps (no request finishes, is cancelled or
+        can be admitted), the next step is launched first, fed the previous step's tokens on the device, and the
+        previous step's tokens are read and processed while it runs. A request that stops on EOS or a stop string
+        is found one step late: its row computed one token too many, which is dropped (the row's length on the
+        host, ``Row.tokens``, never counts it, and a row's length is set anew when a request takes it).
+        """
         outputs: list[tuple[Request, RequestOutput]] = []
         with self._lock:
             self._steps += 1
-            for request_id in self._cancelled:
-                request = self._requests.get(request_id)
-                if request is not None:
-                    outputs.append((request, self._finish(request, "abort")))
-            self._cancelled.clear()
-            self._admit()
-        running = [row for row in self.rows if row.request is not None]
-        if running:
-            outputs += self._forward(running)
+            cancelled, self._cancelled = self._cancelled, set()
+            can_admit = bool(self._waiting) and any(row.request is None for row in self.rows)
+        launched = self._launched
+        if launched is not None and not cancelled and not can_admit and self._can_continue(launched):
+            self._launched = self._launch_decode(launched.rows, previous=launched)
+            outputs += self._complete(launched)
+        else:
+            if launched is not None:
+                self._launched = None
+                outputs += self._complete(launched)
+            with self._lock:
+                for request_id in cancelled:
+                    request = self._requests.get(request_id)
+                    if request is not None:
+                        outputs.append((request, self._finish(request, "abort")))
+                self._admit()
+            running = [row for row in self.rows if row.request is not None]
+            if running:
+                feeds = self._plan(running)
+                if all(chunk is None for _, _, chunk in feeds):
+                    self._launched = self._launch_decode([row for row, _, _ in feeds])
+                else:
+                    outputs += self._complete(self._launch_packed(feeds))
         for request, output in outputs:
             if request.on_output is not None:
                 request.on_output(output)
@@ -317,7 +340,7 @@ class Engine:
         while True:
             with self._lock:
                 while not self._stopping and not (
-                    self._waiting or self._cancelled or any(row.request for row in self.rows)
+                    self._waiting or self._cancelled or self._launched or any(row.request for row in self.rows)
                 ):
                     self._work.wait()
                 if self._stopping:
@@ -359,71 +382,73 @@ class Engine:
         row = min(idle, key=lambda candidate: candidate.last_used)
         return row, min(_common_prefix_len(row.tokens, prompt), limit)
 
-    def _forward(self, running: list[Row]) -> list[tuple[Request, RequestOutput]]:
-        """Feeds every running row once (a token, or a chunk of its prompt); returns the outputs of the step."""
-        budget = self.max_num_tokens
-        feeds: list[tuple[Row, list[int]]] = []
-        for row in running:  # decode rows first: they take one token each
-            if not row.request.is_prefilling:
-                feeds.append((row, [row.request.pending]))
-                budget -= 1
-        for row in sorted(running, key=lambda r: r.request.arrival):  # prompt chunks in arrival order
+    def _plan(self, running: list[Row]) -> list[tuple[Row, Request, list[int] | None]]:
+        """What each running row feeds this step, by row: ``None`` for a decoding row (its request's pending token),
+        else the next chunk of its prompt. Decoding rows first (one token each), then prompt chunks in arrival order
+        while ``max_num_tokens`` lasts."""
+        budget = self.max_num_tokens - sum(not row.request.is_prefilling for row in running)
+        feeds = [(row, row.request, None) for row in running if not row.request.is_prefilling]
+        for row in sorted(running, key=lambda r: r.request.arrival):
             request = row.request
             if request.is_prefilling and budget > 0:
                 chunk = request.prompt[request.num_computed : request.num_computed + budget]
-                feeds.append((row, chunk))
+                feeds.append((row, request, chunk))
                 budget -= len(chunk)
-        feeds.sort(key=lambda feed: feed[0].index)
-        sampling = [row for row, chunk in feeds if row.request.num_computed + len(chunk) >= len(row.request.prompt)]
-        if all(len(chunk) == 1 for _, chunk in feeds) and not any(row.request.is_prefilling for row, _ in feeds):
-            logits = self._decode_step(feeds)
+        return sorted(feeds, key=lambda feed: feed[0].index)
+
+    def _can_continue(self, launched: _Launched) -> bool:
+        """Whether the next step may be launched before ``launched`` is read: the same rows, all still decoding,
+        and none at its last token (a length stop is known ahead; only EOS and stop strings are found late)."""
+        for row in launched.rows:
+            request = row.request
+            if request is None or request.finish_reason is not None or request is not launched.requests[row.index]:
+                return False
+            if len(request.generated) + 2 > request.params.max_tokens:
+                return False
+        return len(launched.rows) == sum(row.request is not None for row in self.rows)
+
+    def _launch_decode(self, rows: list[Row], previous: _Launched | None = None) -> _Launched:
+        """Launches one decode step over ``rows`` (sorted by index): from the host's view of the rows, or, after
+        ``previous``, from its tokens on the device (positions advance by one on the device)."""
+        buffers = self._decode
+        if previous is None:
+            buffers.fill(rows)
         else:
-            logits = self._packed_step(feeds, sampling)
-        tokens = []
-        if sampling:
-            tokens = select_tokens(
-                logits,
-                [row.request.params for row in sampling],
-                [row.request.generator for row in sampling],
-                self._generator,
-            ).tolist()  # the step's one host sync
-        for row, chunk in feeds:
-            row.tokens.extend(chunk)
-            row.last_used = self._steps
-            if row.request.is_prefilling:
-                row.request.num_computed += len(chunk)
-        with self._lock:
-            requests = [row.request for row in sampling]
-            return [(request, self._on_token(request, token)) for request, token in zip(requests, tokens, strict=True)]
+            buffers.advance(previous.row_index, previous.tokens)
+        logits = buffers.run(rows[-1].index + 1)
+        row_index = torch.tensor([row.index for row in rows], device=self.device)
+        if len(rows) != rows[-1].index + 1:
+            logits = logits.index_select(0, row_index)
+        requests = [row.request for row in rows]
+        tokens = select_tokens(logits, [r.params for r in requests], [r.generator for r in requests], self._generator)
+        host, event = buffers.to_host(tokens)
+        return _Launched(
+            rows=rows,
+            requests={row.index: row.request for row in rows},
+            feeds=[(row, row.request, None) for row in rows],
+            sampling=list(zip(rows, requests, strict=True)),
+            tokens=tokens,
+            row_index=row_index,
+            host=host,
+            event=event,
+        )
 
-    def _decode_step(self, feeds: list[tuple[Row, list[int]]]) -> torch.Tensor:
+    def _launch_packed(self, feeds: list[tuple[Row, Request, list[int] | None]]) -> _Launched:
+        """Runs a step with prompt chunks in the packed layout (eagerly); read at once by the caller."""
         num_rows = feeds[-1][0].index + 1
-        if self._decode is not None:
-            return self._decode.run(feeds)
-        tokens = torch.zeros(num_rows, 1, dtype=torch.long)
-        positions = torch.zeros(num_rows, 1, dtype=torch.long)
-        query_lens = torch.zeros(num_rows, dtype=torch.int32)
-        for row, chunk in feeds:
-            tokens[row.index, 0] = chunk[0]
-            positions[row.index, 0] = len(row.tokens)
-            query_lens[row.index] = 1
-        layout = StepLayout(num_rows, query_lens.to(self.device))
-        logits = self._run_model(tokens.to(self.device), positions.to(self.device), layout, logits_to_keep=1)[:, -1]
-        return logits.index_select(0, torch.tensor([row.index for row, _ in feeds], device=self.device))
-
-    def _packed_step(self, feeds: list[tuple[Row, list[int]]], sampling: list[Row]) -> torch.Tensor:
-        num_rows = feeds[-1][0].index + 1
-        width = max(len(chunk) for _, chunk in feeds)
-        tokens, positions, slots, keep = [], [], [], []
+        chunks = [[request.pending] if chunk is None else chunk for _, request, chunk in feeds]
+        width = max(map(len, chunks))
+        tokens, positions, slots, keep, sampling = [], [], [], [], []
         query_lens = [0] * num_rows
-        for row, chunk in feeds:
+        for (row, request, _), chunk in zip(feeds, chunks, strict=True):
             start = len(row.tokens)
             tokens += chunk
             positions += range(start, start + len(chunk))
             slots += range(row.index * width, row.index * width + len(chunk))
             query_lens[row.index] = len(chunk)
-            if row in sampling:
+            if request.num_computed + len(chunk) >= len(request.prompt):  # the prompt ends here, or a decoding row
                 keep.append(len(tokens) - 1)
+                sampling.append((row, request))
         device = self.device
         layout = StepLayout(
             num_rows,
@@ -431,9 +456,38 @@ class Engine:
             token_index=torch.tensor(slots, device=device),
             max_new=width,
         )
-        input_ids = torch.tensor([tokens], device=device)
-        position_ids = torch.tensor([positions], device=device)
-        return self._run_model(input_ids, position_ids, layout, torch.tensor(keep, dtype=torch.long, device=device))[0]
+        keep_index = torch.tensor(keep, dtype=torch.long, device=device)
+        logits = self._run_model(torch.tensor([tokens], device=device), torch.tensor([positions], device=device),
+                                 layout, keep_index)[0]  # fmt: skip
+        selected = None
+        if sampling:
+            params = [request.params for _, request in sampling]
+            generators = [request.generator for _, request in sampling]
+            selected = select_tokens(logits, params, generators, self._generator)
+        feeds = [(row, request, chunk) for (row, request, _), chunk in zip(feeds, chunks, strict=True)]
+        return _Launched(rows=[], requests={}, feeds=feeds, sampling=sampling, tokens=selected, row_index=None,
+                         host=selected)  # fmt: skip
+
+    def _complete(self, launched: _Launched) -> list[tuple[Request, RequestOutput]]:
+        """Reads a launched step's tokens (its one host sync) and takes them: the fed tokens join their rows, the
+        selected ones their requests. Rows whose request ended since the launch are skipped."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        tokens = launched.host.tolist() if launched.host is not None else []
+        for row, request, chunk in launched.feeds:
+            if request.finish_reason is not None or row.request is not request:
+                continue
+            fed = [request.pending] if chunk is None else chunk
+            row.tokens.extend(fed)
+            row.last_used = self._steps
+            if request.is_prefilling:
+                request.num_computed += len(fed)
+        outputs = []
+        with self._lock:
+            for (row, request), token in zip(launched.sampling, tokens, strict=True):
+                if request.finish_reason is None and row.request is request:
+                    outputs.append((request, self._on_token(request, token)))
+        return outputs
 
     def _run_model(self, input_ids, position_ids, layout: StepLayout, logits_to_keep) -> torch.Tensor:
         self.cache.layout = layout
@@ -529,11 +583,26 @@ def _eos_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
-class _DecodeGraphs:
-    """Decode-only steps as CUDA-graph replays, one graph per bucket of rows (powers of two, and all rows).
+@dataclass(eq=False)
+class _Launched:
+    """A launched step: what it fed, whose tokens it selected, and where they arrive on the host."""
 
-    The graphs read three static buffers (tokens, positions, ``query_lens``) that each step fills; a bucket is
-    captured on its first use, after one eager warm-up with every ``query_lens`` 0 (which writes nothing).
+    rows: list[Row]  # decode steps: the rows, by index
+    requests: dict[int, Request]  # decode steps: each row's request at launch
+    feeds: list[tuple[Row, Request, list[int] | None]]
+    sampling: list[tuple[Row, Request]]
+    tokens: torch.Tensor | None  # selected, on the device
+    row_index: torch.Tensor | None  # decode steps: the rows' indices, on the device
+    host: torch.Tensor | None  # the selected tokens on the host, once `event` has completed
+    event: torch.cuda.Event | None = None
+
+
+class _DecodeBuffers:
+    """The decode step's inputs in static device buffers (tokens, positions, ``query_lens`` of every row), and on
+    CUDA its graphs: one per bucket of rows (powers of two, and all rows), captured on first use or by
+    :meth:`Engine.warm_up`, each after one eager warm-up with every ``query_lens`` 0 (which writes nothing). A
+    step over rows ``[0, B)`` runs the smallest bucket that holds them; rows inside it that do not step have
+    ``query_lens`` 0.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -544,26 +613,59 @@ class _DecodeGraphs:
         self.positions = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.query_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.use_graphs = engine.use_cuda_graph
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # Two pinned host buffers, alternating: a step's tokens land in one while the other's are being read.
+        pinned = device.type == "cuda"
+        self.host = [torch.empty(rows, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.next_host = 0
+        self.bucket = 0
 
-    def run(self, feeds: list[tuple[Row, list[int]]]) -> torch.Tensor:
-        """Logits ``[len(feeds), V]`` of one decode step over ``feeds`` (one token per row)."""
-        rows = feeds[-1][0].index + 1
-        bucket = next(size for size in self.buckets if size >= rows)
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(bucket)
-        values = [0] * (3 * bucket)
-        for row, chunk in feeds:
-            values[row.index], values[bucket + row.index], values[2 * bucket + row.index] = chunk[0], len(row.tokens), 1
-        host = torch.tensor(values).view(3, bucket).to(self.engine.device, non_blocking=True)
-        self.tokens[:bucket].copy_(host[0, :, None])
-        self.positions[:bucket].copy_(host[1, :, None])
-        self.query_lens[:bucket].copy_(host[2])
-        graph, logits = self.graphs[bucket]
+    def fill(self, rows: list[Row]) -> None:
+        """Inputs from the host: each row's pending token at its position (its length); the other rows idle."""
+        self.bucket = self.bucket_for(rows[-1].index + 1)
+        values = [0] * (3 * self.bucket)
+        for row in rows:
+            index = row.index
+            values[index], values[self.bucket + index], values[2 * self.bucket + index] = (
+                row.request.pending, len(row.tokens), 1
+            )  # fmt: skip
+        host = torch.tensor(values).view(3, self.bucket).to(self.engine.device, non_blocking=True)
+        self.tokens[: self.bucket].copy_(host[0, :, None])
+        self.positions[: self.bucket].copy_(host[1, :, None])
+        self.query_lens[: self.bucket].copy_(host[2])
+
+    def advance(self, row_index: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Inputs from the previous decode step, on the device: its tokens, one position further."""
+        self.tokens.index_copy_(0, row_index, tokens[:, None])
+        self.positions[: self.bucket] += self.query_lens[: self.bucket, None]
+
+    def bucket_for(self, rows: int) -> int:
+        return next(size for size in self.buckets if size >= rows) if self.use_graphs else rows
+
+    def run(self, rows: int) -> torch.Tensor:
+        """Logits ``[rows, V]`` of the step the buffers hold (the bucket's graph replayed, or the model eagerly)."""
+        if not self.use_graphs:
+            layout = StepLayout(self.bucket, self.query_lens[: self.bucket])
+            step = (self.tokens[: self.bucket], self.positions[: self.bucket], layout, 1)
+            return self.engine._run_model(*step)[:, -1][:rows]
+        if self.bucket not in self.graphs:
+            self.graphs[self.bucket] = self._capture(self.bucket)
+        graph, logits = self.graphs[self.bucket]
         graph.replay()
-        if len(feeds) == rows:  # rows 0..rows-1 all step: no gather
-            return logits[:rows]
-        return logits.index_select(0, torch.tensor([row.index for row, _ in feeds], device=self.engine.device))
+        return logits[:rows]
+
+    def to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Starts copying ``tokens`` to the host: the returned view holds them once the returned event (None on the
+        CPU, where the copy is done on return) has completed."""
+        host = self.host[self.next_host][: tokens.shape[0]]
+        self.next_host ^= 1
+        host.copy_(tokens, non_blocking=True)
+        if tokens.device.type != "cuda":
+            return host, None
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
     def capture_all(self) -> None:
         for bucket in self.buckets:
