@@ -114,31 +114,48 @@ def run_engine(engine: Engine, requests, sync) -> dict:
 
 
 def run_hf_continuous(model, requests, sync) -> dict:
-    """transformers' ContinuousBatchingManager, requests added at their arrival times, results read as they end."""
+    """transformers' ContinuousBatchingManager, requests added at their arrival times with ``streaming=True``, so
+    that each request's partial outputs time its tokens as the engine's callbacks do."""
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=max(r["max_tokens"] for r in requests), do_sample=False, eos_token_id=-1)
     manager = model.init_continuous_batching(generation_config=config)
     manager.start()
-    ends: dict[str, float] = {}
+    token_times: dict[int, list[float]] = {i: [] for i in range(len(requests))}
+    finished = set()
     start = time.perf_counter()
-    ids = []
     for index, request in enumerate(requests):
         delay = start + request["arrival"] - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        ids.append(manager.add_request(request["prompt"], request_id=f"r{index}", max_new_tokens=request["max_tokens"]))
-    tokens = 0
-    while len(ends) < len(requests):
-        result = manager.get_result(timeout=1)
-        if result is not None and result.request_id not in ends:
-            ends[result.request_id] = time.perf_counter()
-            tokens += len(result.generated_tokens)
+        manager.add_request(request["prompt"], request_id=f"r{index}", max_new_tokens=request["max_tokens"],
+                            streaming=True)  # fmt: skip
+        _drain_hf(manager, token_times, finished, timeout=0)
+    while len(finished) < len(requests):
+        _drain_hf(manager, token_times, finished, timeout=1)
     end = time.perf_counter()
     manager.stop(block=True)
     sync()
-    return {"requests": len(requests), "output_tokens": tokens, "seconds": round(end - start, 3),
-            "output_tok_per_s": round(tokens / (end - start), 1)}  # fmt: skip
+    return summarize(requests, token_times, start, end)
+
+
+def _is_finished(result) -> bool:
+    is_finished = getattr(result, "is_finished", None)  # a method from transformers 5.2x; the status field before
+    return is_finished() if callable(is_finished) else str(result.status).endswith("FINISHED")
+
+
+def _drain_hf(manager, token_times, finished, timeout: float) -> None:
+    """Reads the manager's outputs: each holds a request's tokens so far, so new ones are timed now."""
+    while True:
+        result = manager.get_result(timeout=timeout or 0.0001)
+        if result is None:
+            return
+        index = int(result.request_id[1:])
+        now = time.perf_counter()
+        token_times[index].extend([now] * (len(result.generated_tokens) - len(token_times[index])))
+        if _is_finished(result):
+            finished.add(index)
+        timeout = 0
 
 
 def run_generate_batch(model, requests, sync) -> dict:
