@@ -132,7 +132,53 @@ def plot_generate(payload: dict, path: Path, second_run: dict | None = None) -> 
     plt.close(fig)
 
 
-PLOTTERS = {"bench_attention": plot_attention, "bench_generate": plot_generate}
+def plot_serve(payload: dict, path: Path) -> None:
+    """Serving: output tok/s per workload and system, and inter-token latency p50/p99 where it was streamed."""
+    plt = _pyplot()
+    rows = [r for r in payload["rows"] if r.get("status") == "ok" and "output_tok_per_s" in r]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    by_key = {(r["workload"], r["system"]): r for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    series = {s: [by_key.get((w, s), {}).get("output_tok_per_s") for w in workloads] for s in systems}
+    _bars(axes[0], workloads, series, "output tokens / s")
+    axes[0].set_yscale("log")
+    axes[0].set_title("Throughput")
+    axes[0].legend(fontsize=8)
+    itl = {
+        f"{s} {q}": [by_key.get((w, s), {}).get("itl", {}).get(f"{q}_ms") for w in workloads]
+        for s in systems
+        for q in ("p50", "p99")
+    }
+    _bars(axes[1], workloads, {k: v for k, v in itl.items() if any(x is not None for x in v)}, "ms")
+    axes[1].set_yscale("log")
+    axes[1].set_title("Inter-token latency (streamed systems)")
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"Serving, Llama-3.2-1B-shaped random model, bf16 - {_subtitle(payload)}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_cpu(payload: dict, path: Path) -> None:
+    """CPU: flashcore's speed over stock transformers' per row (1.0 = as fast)."""
+    plt = _pyplot()
+    rows = payload["rows"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _bars(ax, [r["row"] for r in rows], {"stock time / flashcore time": [r["ratio"] for r in rows]}, "ratio")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_title(f"SmolLM2-135M on the CPU - {_subtitle(payload)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+PLOTTERS = {
+    "bench_attention": plot_attention,
+    "bench_generate": plot_generate,
+    "bench_serve": plot_serve,
+    "bench_cpu": plot_cpu,
+}
 
 
 def plot_file(json_path: Path, out_dir: Path | None = None) -> Path:
