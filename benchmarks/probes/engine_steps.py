@@ -82,7 +82,7 @@ def main() -> None:
         engine.step()
     for _ in range(3):
         engine.step()
-    graph, _ = engine._decode.graphs[64]
+    graph, _ = engine.runner.decode.graphs[64]
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(20):

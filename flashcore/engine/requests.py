@@ -8,6 +8,7 @@ for one request: the tokens it gained, their text, and, on its last output, why 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -92,6 +93,9 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+OutputCallback = Callable[[RequestOutput], None]
 
 
 @dataclass
