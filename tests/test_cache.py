@@ -18,8 +18,10 @@ def test_allocate_kv_cache(dtype, device):
     for tensor in (k_cache, v_cache):
         assert tensor.shape == (3, 2, 17, 59) and tensor.dtype == dtype and tensor.device == device
     assert k_cache.data_ptr() != v_cache.data_ptr()
-    # A token's heads sit together (the decode kernels' fastest layout): [B, S_max, H_kv, D] storage.
-    assert k_cache.stride() == v_cache.stride() == (17 * 2 * 59, 59, 2 * 59, 1)
+    if device.type == "cuda":  # a token's heads sit together (the decode kernels' fastest): [B, S_max, H_kv, D]
+        assert k_cache.stride() == v_cache.stride() == (17 * 2 * 59, 59, 2 * 59, 1)
+    else:  # contiguous [B, H_kv, S_max, D], what the CPU's SDPA reads fastest
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (3,) and seq_lens.device == device
     assert seq_lens.tolist() == [0, 0, 0]
 
