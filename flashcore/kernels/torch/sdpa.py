@@ -48,6 +48,8 @@ def run(call: KernelCall) -> torch.Tensor:
         k_cache.narrow(2, start, num_new).copy_(key)
         v_cache.narrow(2, start, num_new).copy_(value)
         keys, values = k_cache.narrow(2, 0, end), v_cache.narrow(2, 0, end)
+        if start == 0:  # an empty row holds exactly the new tokens: attend to them where they already are
+            keys, values = key, value
         out = _attend(query, keys, values, start, is_causal, scale, sliding_window)
     else:
         # -- one row at a time; padding rows (i >= n_b) stay zero --
