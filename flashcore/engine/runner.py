@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from flashcore.engine.cache import EngineCache, StepLayout
-from flashcore.engine.sampling import select_tokens
+from flashcore.engine.sampling import select_tokens, to_device
 from flashcore.engine.scheduler import Feed, Request, Row
 from flashcore.integrations.llama import CACHE_ARGUMENT_NAME
 
@@ -56,7 +56,10 @@ class ModelRunner:
         else:
             buffers.advance(previous.row_index, previous.tokens)
         logits = buffers.run(rows[-1].index + 1)
-        row_index = torch.tensor([row.index for row in rows], device=self.device)
+        if previous is not None:
+            row_index = previous.row_index  # the same rows
+        else:
+            row_index = to_device([row.index for row in rows], torch.long, self.device)
         if len(rows) != rows[-1].index + 1:
             logits = logits.index_select(0, row_index)
         requests = [row.request for row in rows]
@@ -153,7 +156,7 @@ class DecodeBuffers:
             values[index], values[self.bucket + index], values[2 * self.bucket + index] = (
                 row.request.pending, len(row.tokens), 1
             )  # fmt: skip
-        host = torch.tensor(values).view(3, self.bucket).to(self.runner.device, non_blocking=True)
+        host = to_device(values, torch.long, self.runner.device).view(3, self.bucket)
         self.tokens[: self.bucket].copy_(host[0, :, None])
         self.positions[: self.bucket].copy_(host[1, :, None])
         self.query_lens[: self.bucket].copy_(host[2])

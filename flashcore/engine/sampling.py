@@ -33,16 +33,16 @@ def select_tokens(
     if not sampled:
         return tokens
     device = logits.device
-    index = torch.tensor(sampled, device=device)
+    index = to_device(sampled, torch.long, device)
     probs = filtered_probs(
         logits.index_select(0, index),
-        temperature=torch.tensor([params[i].temperature for i in sampled], device=device),
-        top_k=torch.tensor([params[i].top_k if params[i].top_k > 0 else 0 for i in sampled], device=device),
-        top_p=torch.tensor([params[i].top_p for i in sampled], device=device),
+        temperature=to_device([params[i].temperature for i in sampled], torch.float32, device),
+        top_k=to_device([max(params[i].top_k, 0) for i in sampled], torch.long, device),
+        top_p=to_device([params[i].top_p for i in sampled], torch.float32, device),
     )
     shared = [j for j, i in enumerate(sampled) if generators[i] is None]
     if shared:
-        rows = torch.tensor(shared, device=device)
+        rows = to_device(shared, torch.long, device)
         draws = torch.multinomial(probs.index_select(0, rows), 1, generator=default_generator).squeeze(1)
         tokens.index_copy_(0, index.index_select(0, rows), draws)
     for j, i in enumerate(sampled):
@@ -70,3 +70,12 @@ def filtered_probs(
     sorted_logits = sorted_logits.masked_fill(mass_above >= top_p[:, None], float("-inf"))
     filtered = torch.full_like(scaled, float("-inf")).scatter_(-1, order, sorted_logits)
     return filtered.softmax(dim=-1)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without waiting for the device: on CUDA, ``torch.tensor(values,
+    device=...)`` copies from pageable memory, which waits for every kernel queued before it (and so undoes the
+    engine's overlap of host and device); a pinned staging tensor copies asynchronously."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
