@@ -35,6 +35,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (fixed: the host's noise stays small)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import httpx
@@ -46,6 +47,7 @@ def main() -> None:
     from flashcore.serve.app import build_app
 
     torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
     model, tokenizer = load_model_and_tokenizer(None, device="cpu", dtype="float32")
     engine = Engine(model, tokenizer, max_batch_size=2, max_cache_len=512, backend="torch")
     prompt = "Write a long story about a lighthouse keeper."
