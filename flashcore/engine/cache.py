@@ -31,12 +31,14 @@ from flashcore.ops import attention_with_kv_cache
 
 @dataclass
 class StepLayout:
-    """Where one forward's tokens go. ``query_lens`` is ``int32 [num_rows_used]``; see the module docstring."""
+    """Where one forward's tokens go: rows ``[first_row, first_row + num_rows_used)`` of the cache, ``query_lens``
+    ``int32 [num_rows_used]`` (see the module docstring)."""
 
     num_rows_used: int
     query_lens: torch.Tensor
     token_index: torch.Tensor | None = None  # packed steps: int64 [T], flat (row, offset) slot of each token
     max_new: int = 1  # packed steps: the most new tokens of any row
+    first_row: int = 0  # eager steps skip the rows below their lowest stepping row; graphs start at row 0
 
 
 class EngineCache(FlashCoreCache):
@@ -69,7 +71,8 @@ class EngineCache(FlashCoreCache):
             raise RuntimeError("EngineCache is stepped by the engine: set cache.layout before the forward")
         layer = self.layers[layer_idx]
         rows = layout.num_rows_used
-        cache = (layer.keys[:rows], layer.values[:rows], layer.seq_lens[:rows])
+        span = slice(layout.first_row, layout.first_row + rows)
+        cache = (layer.keys[span], layer.values[span], layer.seq_lens[span])
         options = dict(query_lens=layout.query_lens, scale=scale, backend=self.backend or backend, check=False)
         if layout.token_index is None:
             out, _ = attention_with_kv_cache(query, key, value, cache, **options)

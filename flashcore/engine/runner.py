@@ -55,12 +55,13 @@ class ModelRunner:
             buffers.fill(rows)
         else:
             buffers.advance(previous.row_index, previous.tokens)
-        logits = buffers.run(rows[-1].index + 1)
+        span = rows[-1].index - buffers.first_row + 1
+        logits = buffers.run(span)
         if previous is not None:
             row_index = previous.row_index  # the same rows
         else:
-            row_index = to_device([row.index for row in rows], torch.long, self.device)
-        if len(rows) != rows[-1].index + 1:
+            row_index = to_device([row.index - buffers.first_row for row in rows], torch.long, self.device)
+        if len(rows) != span:
             logits = logits.index_select(0, row_index)
         requests = [row.request for row in rows]
         tokens = select_tokens(logits, [r.params for r in requests], [r.generator for r in requests], self.generator)
@@ -78,7 +79,8 @@ class ModelRunner:
 
     def launch_packed(self, feeds: list[Feed]) -> LaunchedStep:
         """Runs a step with prompt chunks in the packed layout (eagerly); read at once by the caller."""
-        num_rows = feeds[-1][0].index + 1
+        first_row = feeds[0][0].index  # rows below it do not step: the launch leaves them out
+        num_rows = feeds[-1][0].index + 1 - first_row
         chunks = [[request.pending] if chunk is None else chunk for _, request, chunk in feeds]
         width = max(map(len, chunks))
         tokens, positions, slots, keep, sampling = [], [], [], [], []
@@ -87,8 +89,9 @@ class ModelRunner:
             start = len(row.tokens)
             tokens += chunk
             positions += range(start, start + len(chunk))
-            slots += range(row.index * width, row.index * width + len(chunk))
-            query_lens[row.index] = len(chunk)
+            slot = (row.index - first_row) * width
+            slots += range(slot, slot + len(chunk))
+            query_lens[row.index - first_row] = len(chunk)
             if request.num_computed + len(chunk) >= len(request.prompt):  # the prompt ends here, or a decoding row
                 keep.append(len(tokens) - 1)
                 sampling.append((row, request))
@@ -98,6 +101,7 @@ class ModelRunner:
             torch.tensor(query_lens, dtype=torch.int32, device=device),
             token_index=torch.tensor(slots, device=device),
             max_new=width,
+            first_row=first_row,
         )
         keep_index = torch.tensor(keep, dtype=torch.long, device=device)
         logits = self.run_model(torch.tensor([tokens], device=device), torch.tensor([positions], device=device),
@@ -146,13 +150,16 @@ class DecodeBuffers:
         self.host = [torch.empty(rows, dtype=torch.long, pin_memory=pinned) for _ in range(2)]
         self.next_host = 0
         self.bucket = 0
+        self.first_row = 0
 
     def fill(self, rows: list[Row]) -> None:
         """Inputs from the host: each row's pending token at its position (its length); the other rows idle."""
-        self.bucket = self.bucket_for(rows[-1].index + 1)
+        # Graphs run rows [0, bucket); an eager step starts at its lowest row (a lone request in row 5 runs one row).
+        self.first_row = 0 if self.use_graphs else rows[0].index
+        self.bucket = self.bucket_for(rows[-1].index + 1 - self.first_row)
         values = [0] * (3 * self.bucket)
         for row in rows:
-            index = row.index
+            index = row.index - self.first_row
             values[index], values[self.bucket + index], values[2 * self.bucket + index] = (
                 row.request.pending, len(row.tokens), 1
             )  # fmt: skip
@@ -172,7 +179,7 @@ class DecodeBuffers:
     def run(self, rows: int) -> torch.Tensor:
         """Logits ``[rows, V]`` of the step the buffers hold (the bucket's graph replayed, or the model eagerly)."""
         if not self.use_graphs:
-            layout = StepLayout(self.bucket, self.query_lens[: self.bucket])
+            layout = StepLayout(self.bucket, self.query_lens[: self.bucket], first_row=self.first_row)
             step = (self.tokens[: self.bucket], self.positions[: self.bucket], layout, 1)
             return self.runner.run_model(*step)[:, -1][:rows]
         if self.bucket not in self.graphs:
