@@ -286,8 +286,9 @@ def test_usage_error_exits_before_importing_torch():
 def test_missing_package_names_the_chat_extra(package):
     """Without the [chat] extra the script says which extra to install, not a bare ModuleNotFoundError."""
     blocked = (
+        # sys.path[0] is the script's folder, as `python examples/generate.py` sets it (runpy.run_path does not).
         f"import runpy, sys; sys.modules[{package!r}] = None; sys.argv = [{str(SCRIPT)!r}, '--prompt', 'hi']; "
-        f"runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"
+        f"sys.path.insert(0, {str(SCRIPT.parent)!r}); runpy.run_path({str(SCRIPT)!r}, run_name='__main__')"
     )
     result = subprocess.run(
         [sys.executable, "-c", blocked],
