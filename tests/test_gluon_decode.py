@@ -17,7 +17,7 @@ from conftest import ON_GPU, TOLERANCES, randn
 from oracle import check_call, make_call_inputs, with_heads_interleaved_caches
 
 import flashcore
-from flashcore.kernels import KernelCall, configs
+from flashcore.kernels import KernelCall, configs, launch
 from flashcore.kernels.gluon_sm90 import common as gluon_common
 from flashcore.kernels.gluon_sm90 import decode as gluon_decode
 from flashcore.kernels.triton import split_merge
@@ -135,7 +135,7 @@ def test_head_dim_64_tile_sizes(seq_lens, capacity, block_n, dtype, device, gene
     keeps its length (configs.gluon_decode_block_n), 64-key tiles elsewhere: both against the oracle, with tails
     of 1 and 127 keys and a row filled to the last slot. Planned for the H100's 132 SMs on any GPU."""
     monkeypatch.setattr(configs, "num_sms", lambda device: 132)
-    gluon_decode._launch_plan.cache_clear()  # plans are cached per shape: none made with the real count
+    gluon_decode.forget_launch_plans()  # plans are cached per shape: none made with the real count
     try:
         inputs = _decode_inputs(generator, device, dtype, heads=(9, 3), head_dim=64, seq_lens=seq_lens,
                                 capacity=capacity)  # fmt: skip
@@ -144,7 +144,7 @@ def test_head_dim_64_tile_sizes(seq_lens, capacity, block_n, dtype, device, gene
         out, cache = _decode(inputs)
         check_call(inputs, out, cache, atol=TOLERANCES[dtype], is_causal=True)
     finally:
-        gluon_decode._launch_plan.cache_clear()
+        gluon_decode.forget_launch_plans()
 
 
 @hopper_only
@@ -166,6 +166,45 @@ def test_padding_rows_store_nothing_and_output_zero(seq_len, device, generator):
     lens = torch.tensor(query_lens, dtype=torch.int32, device=device)
     out, cache = _decode(inputs, query_lens=lens)
     check_call(inputs, out, cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
+
+
+@hopper_only
+@pytest.mark.parametrize("with_query_lens", [False, True], ids=["no_query_lens", "query_lens"])
+@pytest.mark.parametrize("seq_lens", [[1500], [700, 3, 0, 1200]], ids=["B1_split", "B4"])
+def test_eager_steps_on_one_cache_replay_the_bound_launch(seq_lens, with_query_lens, device, generator, monkeypatch):
+    """A decode loop on one cache, as generate runs it: the first eager call binds its launch, later ones launch it
+    again with their own q/k/v, query_lens and output addresses. Every step against the oracle; one step's q/k/v
+    are misaligned, which the bound launch declines (Triton specialises on alignment), so the normal launch runs."""
+    gluon_decode.forget_launch_plans()  # a bound launch left by another test could hold this cache's address
+    outcomes = []
+    bound_launch = launch.BoundLaunch.launch
+    monkeypatch.setattr(
+        launch.BoundLaunch, "launch", lambda self, *a: outcomes.append(bound_launch(self, *a)) or outcomes[-1]
+    )
+    inputs = _decode_inputs(generator, device, torch.bfloat16, heads=(9, 3), head_dim=64, seq_lens=seq_lens,
+                            capacity=max(seq_lens) + 8)  # fmt: skip
+    for step in range(5):
+        if step:
+            new = (
+                randn(tensor.shape, generator=generator, dtype=tensor.dtype, device=device)
+                for tensor in (inputs.query, inputs.key, inputs.value)
+            )
+            inputs = dataclasses.replace(
+                inputs, query=next(new), key=next(new), value=next(new), seq_lens=[n + 1 for n in inputs.seq_lens],
+                k_cache_before=inputs.cache[0].clone(), v_cache_before=inputs.cache[1].clone(),
+            )  # fmt: skip
+        if step == 2:
+            inputs.query, inputs.key, inputs.value = (_misaligned(t) for t in (inputs.query, inputs.key, inputs.value))
+        query_lens = torch.ones(len(seq_lens), dtype=torch.int32, device=device) if with_query_lens else None
+        out, cache = _decode(inputs, query_lens=query_lens)
+        check_call(inputs, out, cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
+    assert outcomes == [True, False, True, True]
+
+
+def _misaligned(tensor: torch.Tensor) -> torch.Tensor:
+    """The same values in storage that starts 2 bytes past a 16-byte boundary."""
+    storage = torch.empty(tensor.numel() + 1, dtype=tensor.dtype, device=tensor.device)
+    return storage[1:].view(tensor.shape).copy_(tensor)
 
 
 @hopper_only

@@ -17,6 +17,7 @@ set them), and non-tensor, non-int, non-float arguments.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import triton
@@ -112,6 +113,42 @@ class CachedLauncher:
             *args, *constexpr_values,
         )  # fmt: skip
 
+    def bind(
+        self,
+        grid: tuple,
+        args: tuple,
+        constexprs: dict,
+        *,
+        varying: tuple[int, ...],
+        num_warps: int,
+        num_stages: int,
+        launch_pdl: bool = False,
+        maxnreg: int | None = None,
+    ) -> BoundLaunch | None:
+        """A :class:`BoundLaunch` of the kernel this launch signature compiled to, or None where there is none yet.
+
+        Call it after launching ``args`` once through ``self``: the signature is then known. ``varying`` lists the
+        positions of the tensor arguments that will change from launch to launch (their addresses); every other
+        argument is kept as it is now. None for a launch that went through Triton's JIT (the interpreter, launch
+        hooks, an argument the signature does not key) or whose varying tensors are not 16-byte aligned.
+        """
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+        if launch_pdl:
+            options["launch_pdl"] = True
+        if maxnreg is not None:
+            options["maxnreg"] = maxnreg
+        if not args[0].is_cuda or _launch_hooks_set():
+            return None
+        if any(args[position].data_ptr() % 16 for position in varying):
+            return None
+        device = torch.cuda.current_device()
+        key = self._signature(grid, args, constexprs, options, device)
+        entry = self._compiled.get(key) if key is not None else None
+        if entry is None:
+            return None
+        compiled, constexpr_values = entry
+        return BoundLaunch(compiled, grid, args, constexpr_values, varying, device)
+
     def _launch_through_jit(self, grid, args, constexprs, options):
         return self.kernel[grid](*args, **constexprs, **options)
 
@@ -154,3 +191,104 @@ class CachedLauncher:
         if len(self._compiled) >= MAX_CACHED_SIGNATURES:
             self._compiled.clear()
         self._compiled[key] = (compiled, tuple(constexprs[name] for name in self._constexpr_names))
+
+
+class BoundLaunch:
+    """Launches of one compiled kernel whose arguments change only in a few tensor addresses.
+
+    Made by :meth:`CachedLauncher.bind` for a launch that a caller repeats with the same shapes, the same constants
+    and the same long-lived buffers (the Gluon decode kernel's eager calls, once per layer and step). It holds the
+    launch's arguments with every tensor replaced by its address, which the compiled launcher takes as it takes a
+    tensor, so it keeps no tensor alive. :meth:`launch` puts new addresses at the varying positions and calls the
+    compiled launcher: no signature to build, no binder. That is exact only if nothing else differs, which the
+    caller guarantees by keying its bound launches on everything else (shapes, strides, dtypes, devices, constants,
+    the fixed buffers' addresses); :meth:`launch` checks the rest of the signature that can change under it: the
+    new addresses' 16-byte alignment, launch hooks and the current device.
+
+    Host TMA descriptors among the fixed arguments are encoded once, here, where triton exposes the C launcher
+    beneath its own (:func:`_descriptor_launcher`); elsewhere the compiled launcher encodes them on every launch.
+    """
+
+    __slots__ = ("_compiled", "_grid", "_template", "_varying", "_device", "_raw_launch", "_raw_prefix")
+
+    def __init__(self, compiled, grid: tuple, args: tuple, constexpr_values: tuple, varying: tuple, device: int):
+        self._compiled = compiled
+        self._grid = grid
+        template = [arg.data_ptr() if type(arg) is torch.Tensor else arg for arg in (*args, *constexpr_values)]
+        self._raw_launch = None
+        raw = _descriptor_launcher(compiled)
+        if raw is not None:
+            c_launch, descriptor_positions, encode = raw
+            # Each descriptor becomes the encoded map and its shape and strides: the positions after it move.
+            expanded, moved = [], {}
+            for position, arg in enumerate(template):
+                moved[position] = len(expanded)
+                if position in descriptor_positions:
+                    expanded.extend(encode(arg, descriptor_positions[position]))
+                else:
+                    expanded.append(arg)
+            template, varying = expanded, tuple(moved[position] for position in varying)
+            run = compiled.run
+            self._raw_launch = c_launch
+            self._raw_prefix = (
+                compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,  # no scratch: checked
+                compiled.packed_metadata, None, None, None,  # launch metadata and hooks: none
+            )  # fmt: skip
+        self._template = template
+        self._varying = varying
+        self._device = device
+
+    def launch(self, *addresses: int) -> bool:
+        """Launches with ``addresses`` at the varying positions (in ``varying``'s order); False, launching
+        nothing, where the bound signature no longer holds (the caller then launches the normal way)."""
+        for address in addresses:
+            if address % 16:
+                return False
+        if _launch_hooks_set() or torch.cuda.current_device() != self._device:
+            return False
+        args = self._template.copy()
+        for position, address in zip(self._varying, addresses, strict=True):
+            args[position] = address
+        grid = self._grid
+        stream = triton.runtime.driver.active.get_current_stream(self._device)
+        if self._raw_launch is not None:
+            self._raw_launch(grid[0], grid[1], grid[2], stream, *self._raw_prefix, *args)
+        else:
+            compiled = self._compiled
+            compiled.run(
+                grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args
+            )
+        return True
+
+
+def _descriptor_launcher(compiled):
+    """``(C launcher, {argument position: descriptor metadata}, encode)`` from beneath triton 3.6's launcher, else
+    None.
+
+    Triton 3.6's compiled launcher (``CudaLauncher`` in ``triton/backends/nvidia/driver.py``) wraps its C launcher in
+    a closure (``wrap_handle_tensordesc``'s ``inner``) that walks every argument in Python and encodes each host TMA
+    descriptor (``make_tensordesc_arg``, a ``cuTensorMapEncodeTiled``) on every launch: about half of the compiled
+    launcher's host time for the Gluon decode kernel's two descriptors on the H100 machine (NOTES.md, entry 40).
+    This reads the C launcher, the descriptors' positions and their metadata out of that closure, so a bound launch
+    encodes its fixed descriptors once and calls the C launcher with the same arguments the closure would build.
+    Anything else (another triton, whose launcher is built differently, a kernel that needs scratch memory) gives
+    None and keeps the compiled launcher.
+    """
+    run = compiled.run
+    wrapper = getattr(run, "launch", None)
+    if getattr(wrapper, "__name__", None) != "inner" or wrapper.__closure__ is None:
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    cells = dict(zip(wrapper.__code__.co_freevars, (cell.cell_contents for cell in wrapper.__closure__), strict=True))
+    if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= cells.keys():
+        return None
+    try:
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+    except ImportError:
+        return None
+    if list(inspect.signature(make_tensordesc_arg).parameters) != ["arg", "metadata"]:
+        return None
+    positions = sorted(cells["tensordesc_indices"])
+    metadata = cells["tensordesc_meta"] or [None] * len(positions)
+    return cells["launcher"], dict(zip(positions, metadata, strict=True)), make_tensordesc_arg

@@ -322,64 +322,103 @@ def _launch_plan(batch_kv_heads: int, capacity: int, group: int, head_dim: int, 
     return block_n, num_splits, splits_pad, configs.merge_rows(group, CONFIG.block_m, splits_pad, head_dim)
 
 
+# An eager call's bound launch (launch.BoundLaunch), per call shape and cache: the host time of an eager decode call
+# is its cost (NOTES.md, entry 40). The key is everything the launch's arguments depend on besides the addresses of
+# the per-call tensors (q, k, v, seq_lens, query_lens, out), the positions of which are _VARYING.
+MAX_BOUND_LAUNCHES = 4096  # per live cache two layers' worth each; a new cache adds its own
+_bound_launches: dict[tuple, object] = {}
+_VARYING = (0, 1, 2, 7, 8, 11)
+
+
+def forget_launch_plans() -> None:
+    """Drops the cached launch plans and bound launches (for tests that change what a plan is computed from)."""
+    _launch_plan.cache_clear()
+    _bound_launches.clear()
+
+
 def run(call: KernelCall) -> torch.Tensor:
     """Append-and-attend for a call that :func:`supports` accepts, in one launch; with KV splits under graph
-    capture, the Triton merge launch follows (where splits merge: ``split_merge.merges_in_attention_launch``)."""
+    capture, the Triton merge launch follows (where splits merge: ``split_merge.merges_in_attention_launch``).
+
+    An eager call repeats an earlier one's launch through its :class:`~flashcore.kernels.launch.BoundLaunch` where
+    there is one: the same kernel, arguments and grid as below, without deriving them again."""
+    query, key, value, k_cache, v_cache, seq_lens, query_lens, _, scale, _ = call
+    out = query.new_empty(query.shape)  # contiguous; less host time than torch.empty (NOTES.md, entry 35)
+    if query.shape[0] == 0:
+        return out
+    merge_in_launch = split_merge.merges_in_attention_launch(query.device)
+    bound_key = None
+    if merge_in_launch:  # eager (a bound launch made while capturing could hold that graph's scratch)
+        bound_key = (
+            query.shape, query.stride(), key.stride(), value.stride(), query.dtype, query.device, k_cache.data_ptr(),
+            v_cache.data_ptr(), k_cache.shape, k_cache.stride(), query_lens is None, scale,
+        )  # fmt: skip
+        bound = _bound_launches.get(bound_key)
+        lens = seq_lens if query_lens is None else query_lens
+        if bound is not None and bound.launch(
+            query.data_ptr(), key.data_ptr(), value.data_ptr(), seq_lens.data_ptr(), lens.data_ptr(), out.data_ptr()
+        ):
+            return out
+    _launch(call, out, merge_in_launch, bound_key)
+    return out
+
+
+def _launch(call: KernelCall, out: torch.Tensor, merge_in_launch: bool, bound_key: tuple | None) -> None:
     query, key, value, k_cache, v_cache, seq_lens, query_lens, _, scale, _ = call
     batch, num_q_heads, _, head_dim = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    out = query.new_empty(query.shape)  # contiguous; less host time than torch.empty (NOTES.md, entry 35)
-    if batch == 0:
-        return out
     block_n, num_splits, splits_pad, merge_rows = _launch_plan(
         batch * num_kv_heads, capacity, group, head_dim, query.device
     )
     row_tickets = scratch_buffer("row_tickets", batch, torch.int32, query.device)
     tile_tickets = row_tickets  # unused without MERGE_IN_LAUNCH
-    merge_in_launch = False
     if num_splits > 1:
         partial_out, partial_lse = split_partials(batch * num_q_heads, num_splits, head_dim, query.device)
-        merge_in_launch = split_merge.merges_in_attention_launch(query.device)
         if merge_in_launch:
             tile_tickets = scratch_buffer("tile_tickets", batch * num_kv_heads, torch.int32, query.device)
     else:
+        merge_in_launch = False
         partial_out = partial_lse = out  # unused without USE_SPLIT_KV
     use_pdl = uses_programmatic_launch(query.device)
     # One stride() per tensor: six stride(i) calls cost more host time (NOTES.md, entry 35).
     stride_q, stride_k, stride_v = query.stride(), key.stride(), value.stride()
     k_desc, grid = cached_tile_descriptor(k_cache, block_n)
     v_desc = cached_tile_descriptor(v_cache, block_n)[0]  # the same grid: supports() checked the strides
-    _launch_decode(
-        (batch * num_kv_heads, num_splits, 1),
-        (
-            query, key, value, k_cache, v_cache,
-            k_desc, v_desc,
-            seq_lens, query_lens if query_lens is not None else seq_lens, row_tickets, tile_tickets,
-            out, partial_out, partial_lse,
-            stride_q[0], stride_q[1], stride_k[0], stride_k[1], stride_v[0], stride_v[1],
-            grid.cols, grid.rows_per_batch, grid.rows_per_head, grid.cols_per_head, num_kv_heads, capacity,
-            scale * configs.LOG2_E,
-        ),
-        dict(
-            GROUP=group,
-            HEAD_DIM=head_dim,
-            BLOCK_M=CONFIG.block_m,
-            BLOCK_N=block_n,
-            NUM_STAGES=CONFIG.num_stages,
-            HAS_QUERY_LENS=query_lens is not None,
-            USE_SPLIT_KV=num_splits > 1,
-            MERGE_IN_LAUNCH=merge_in_launch,
-            SPLITS_PAD=splits_pad,
-            MERGE_ROWS=merge_rows,
-            USE_PDL=use_pdl,
-            NUM_WARPS=CONFIG.num_consumer_warps,
-        ),
-        num_warps=CONFIG.num_consumer_warps,
-        num_stages=CONFIG.num_stages,
-        launch_pdl=use_pdl,
+    launch_grid = (batch * num_kv_heads, num_splits, 1)
+    args = (
+        query, key, value, k_cache, v_cache,
+        k_desc, v_desc,
+        seq_lens, query_lens if query_lens is not None else seq_lens, row_tickets, tile_tickets,
+        out, partial_out, partial_lse,
+        stride_q[0], stride_q[1], stride_k[0], stride_k[1], stride_v[0], stride_v[1],
+        grid.cols, grid.rows_per_batch, grid.rows_per_head, grid.cols_per_head, num_kv_heads, capacity,
+        scale * configs.LOG2_E,
+    )  # fmt: skip
+    constexprs = dict(
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_M=CONFIG.block_m,
+        BLOCK_N=block_n,
+        NUM_STAGES=CONFIG.num_stages,
+        HAS_QUERY_LENS=query_lens is not None,
+        USE_SPLIT_KV=num_splits > 1,
+        MERGE_IN_LAUNCH=merge_in_launch,
+        SPLITS_PAD=splits_pad,
+        MERGE_ROWS=merge_rows,
+        USE_PDL=use_pdl,
+        NUM_WARPS=CONFIG.num_consumer_warps,
+    )
+    options = dict(
+        num_warps=CONFIG.num_consumer_warps, num_stages=CONFIG.num_stages, launch_pdl=use_pdl,
         maxnreg=CONFIG.max_registers,
     )  # fmt: skip
+    _launch_decode(launch_grid, args, constexprs, **options)
     if num_splits > 1 and not merge_in_launch:
         split_merge.merge_kv_splits(partial_out, partial_lse, out, seq_lens, query_lens)
-    return out
+    if bound_key is not None:
+        bound = _launch_decode.bind(launch_grid, args, constexprs, varying=_VARYING, **options)
+        if bound is not None:
+            if len(_bound_launches) >= MAX_BOUND_LAUNCHES:
+                _bound_launches.clear()
+            _bound_launches[bound_key] = bound
