@@ -109,7 +109,7 @@ def attention_with_kv_cache(
         raise ValueError("cache_max_len is only used when past_key_value is None; the passed cache already fixes S_max")
     k_cache, v_cache, seq_lens = past_key_value
     resolved_backend = resolve_backend(backend, query)
-    _validate_metadata(query, key, value, k_cache, v_cache, seq_lens, query_lens, scale, sliding_window)
+    _validate_metadata_once(query, key, value, k_cache, v_cache, seq_lens, query_lens, scale, sliding_window)
     if check is None:
         check = not is_capturing_or_tracing()
     if check:
@@ -185,6 +185,38 @@ def _allocate_for_call(query: torch.Tensor, key: torch.Tensor, cache_max_len: in
         raise ValueError(f"key must be [B, H_kv, S_q, D], got shape {tuple(key.shape)}")
     batch_size, num_kv_heads, _, head_dim = key.shape
     return allocate_kv_cache(batch_size, num_kv_heads, cache_max_len, head_dim, dtype=query.dtype, device=query.device)
+
+
+# The metadata that passed _validate_metadata (types, shapes, dtypes, devices, seq_lens/query_lens layout, scalars):
+# a decode loop makes the same call once per layer and step, and the checks were the op's largest Python cost
+# (NOTES.md, entry 40). Keyed on all that the checks read, so a key seen before passed the same checks.
+MAX_VALIDATED_SIGNATURES = 4096
+_validated_signatures: set[tuple] = set()
+
+
+def _validate_metadata_once(query, key, value, k_cache, v_cache, seq_lens, query_lens, scale, sliding_window):
+    """``_validate_metadata``, skipped for a call whose metadata passed it before."""
+    try:
+        lengths = query_lens
+        if query_lens is not None:
+            lengths = (query_lens.shape, query_lens.dtype, query_lens.stride(), query_lens.device)
+        signature = (
+            type(query), type(key), type(value), type(k_cache), type(v_cache), type(seq_lens), type(query_lens),
+            query.shape, key.shape, value.shape, k_cache.shape, v_cache.shape,
+            query.dtype, key.dtype, value.dtype, k_cache.dtype, v_cache.dtype,
+            query.device, key.device, value.device, k_cache.device, v_cache.device,
+            seq_lens.shape, seq_lens.dtype, seq_lens.stride(), seq_lens.device,
+            lengths, type(scale), scale, type(sliding_window), sliding_window,
+        )  # fmt: skip
+    except (AttributeError, TypeError):  # not tensors where tensors belong: the checks say which
+        signature = None
+    if signature is not None and signature in _validated_signatures:
+        return
+    _validate_metadata(query, key, value, k_cache, v_cache, seq_lens, query_lens, scale, sliding_window)
+    if signature is not None:
+        if len(_validated_signatures) >= MAX_VALIDATED_SIGNATURES:
+            _validated_signatures.clear()
+        _validated_signatures.add(signature)
 
 
 def _validate_metadata(query, key, value, k_cache, v_cache, seq_lens, query_lens, scale, sliding_window):
