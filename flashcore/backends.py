@@ -8,6 +8,7 @@ HF integration.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,7 +26,14 @@ def is_capturing_or_tracing() -> bool:
     """Whether host reads are forbidden now: ``torch.compile`` is tracing, or a CUDA graph is being captured."""
     if torch.compiler.is_compiling():
         return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return _cuda_is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@functools.cache
+def _cuda_is_available() -> bool:
+    # Asked once: torch.cuda.is_available() reads an environment variable and queries the runtime on every call,
+    # and the HF integration asks this once per layer of every eager decode step (NOTES.md, entry 40).
+    return torch.cuda.is_available()
 
 
 def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
