@@ -12,9 +12,10 @@ between two consumer warpgroups and a producer; here each consumer runs its own 
 with no barrier between them one's softmax overlaps the other's MMAs. H100, B1, 32/8 heads, S 2k-16k: faster
 than the Triton kernel at every length and close to SDPA, though still behind it (NOTES.md, entry 30).
 
-Grid ``(ceil(S_q / 128), B * H_q)``, heaviest query block first. Keys are the cached prefix ``[0, L_b)`` (cache
-tiles) then the new tokens (key/value tiles, causal on the diagonal). The programs of one KV head's first query
-head append the new K/V; the producer warps take a per-row ticket and the last advances ``seq_lens``.
+Grid ``(B * H_q, ceil(S_q / 128))``, heaviest query blocks first (the Triton kernel's launch order). Keys are the
+cached prefix ``[0, L_b)`` (cache tiles) then the new tokens (key/value tiles, causal on the diagonal). The programs
+of one KV head's first query head append the new K/V; the producer warps take a per-row ticket and the last
+advances ``seq_lens``.
 """
 
 from __future__ import annotations
@@ -208,14 +209,26 @@ if common.HAS_GLUON:
         capacity,  # S_max
         num_q_heads,
         num_kv_heads,
+        rows_per_group,  # (batch, query head) rows per launch-order group, a multiple of the GQA group
         qk_scale,  # softmax scale * log2(e)
         BLOCK_M: gl.constexpr,
         NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
+        # -- launch order --
+        # The Triton kernel's (triton/attention.py): longest first, within groups of rows whose K/V fit in L2
+        # together. Axis 0 varies fastest in launch order; the i-th program of a group takes its row
+        # i % rows_in_group and, counting from the last, its M block i // rows_in_group, so every row's heaviest
+        # causal block starts before the lighter ones of any row in the group (NOTES.md, entry 40).
+        num_rows = gl.num_programs(0)
+        num_m_blocks = gl.num_programs(1)
+        launch_index = gl.program_id(1) * num_rows + gl.program_id(0)
+        first_row_of_group = (launch_index // (rows_per_group * num_m_blocks)) * rows_per_group
+        rows_in_group = gl.minimum(num_rows - first_row_of_group, rows_per_group)
+        index_in_group = launch_index - first_row_of_group * num_m_blocks
+        pid_bh = first_row_of_group + index_in_group % rows_in_group
+        pid_m = num_m_blocks - 1 - index_in_group // rows_in_group
+
         # -- row metadata --
-        num_m_blocks = gl.num_programs(0)
-        pid_m = num_m_blocks - 1 - gl.program_id(0)  # the longest causal rows first, the short ones fill the tail
-        pid_bh = gl.program_id(1)
         batch = pid_bh // num_q_heads
         head = pid_bh % num_q_heads
         group = num_q_heads // num_kv_heads
@@ -269,17 +282,21 @@ def run(call: KernelCall) -> torch.Tensor:
         return out
     row_tickets = scratch_buffer("row_tickets", batch, torch.int32, query.device)
     num_m_blocks = -(-num_new // CONFIG.block_m)
+    group = num_q_heads // num_kv_heads
+    rows_per_group = group * configs.rows_per_launch_group(
+        batch * num_kv_heads, num_m_blocks, capacity, query.shape[-1], query.element_size(), query.device
+    )
     k_cache_desc, grid = cached_tile_descriptor(k_cache, CONFIG.block_n)
     v_cache_desc = cached_tile_descriptor(v_cache, CONFIG.block_n)[0]  # the same grid: supports() checked the strides
     # The cached launch path: through the JIT, a 2k-token call was host-bound (NOTES.md, entry 30).
     _launch_prefill(
-        (num_m_blocks, batch * num_q_heads, 1),
+        (batch * num_q_heads, num_m_blocks, 1),
         (
             query, key, value, k_cache, v_cache, out, seq_lens, row_tickets,
             tile_descriptor(query, CONFIG.block_m // 2), tile_descriptor(key, CONFIG.block_n),
             tile_descriptor(value, CONFIG.block_n),
             k_cache_desc, v_cache_desc, grid.cols, grid.rows_per_batch, grid.rows_per_head, grid.cols_per_head,
-            num_new, capacity, num_q_heads, num_kv_heads, scale * configs.LOG2_E,
+            num_new, capacity, num_q_heads, num_kv_heads, rows_per_group, scale * configs.LOG2_E,
         ),
         dict(BLOCK_M=CONFIG.block_m, NUM_STAGES=CONFIG.num_stages),
         num_warps=4,
