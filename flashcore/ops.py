@@ -196,6 +196,10 @@ _validated_signatures: set[tuple] = set()
 
 def _validate_metadata_once(query, key, value, k_cache, v_cache, seq_lens, query_lens, scale, sliding_window):
     """``_validate_metadata``, skipped for a call whose metadata passed it before."""
+    if torch.compiler.is_compiling():
+        # Checked once, when traced; a lookup in the set here would make dynamo guard on its contents.
+        _validate_metadata(query, key, value, k_cache, v_cache, seq_lens, query_lens, scale, sliding_window)
+        return
     try:
         lengths = query_lens
         if query_lens is not None:
