@@ -142,8 +142,15 @@ def converted_copy_key(source: ModelSource, dtype: torch.dtype) -> dict:
         "mtime_ns": stat.st_mtime_ns,
         "dtype": str(dtype).removeprefix("torch."),
         "transformers": importlib.metadata.version("transformers"),
-        "gguf": importlib.metadata.version("gguf"),  # its numpy code dequantises the blocks
+        "gguf": _installed_version("gguf"),  # its numpy code dequantises the blocks
     }
+
+
+def _installed_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def converted_copy_dir(source: ModelSource, dtype: torch.dtype, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -225,6 +232,11 @@ def load_model_and_tokenizer(
     import torch
 
     source = model if isinstance(model, ModelSource) else resolve_model_source(model)
+    if source.is_gguf and importlib.util.find_spec("gguf") is None:
+        raise ModelLoadError(
+            f"--model {source.path}: reading a .gguf file needs the gguf package; install it with: pip install gguf "
+            f"(flashcore's [chat] extra includes it)"
+        )
     device = resolve_device(device) if isinstance(device, str) else torch.device(device)
     dtype = resolve_dtype(dtype, device, source.is_gguf) if isinstance(dtype, str) else dtype
     copy, key, loaded = None, None, None

@@ -87,6 +87,19 @@ def test_missing_default_model_names_the_install_line(tmp_path, monkeypatch):
         resolve_model_source(None)
 
 
+def test_gguf_without_the_gguf_package_names_the_install_line(tmp_path, monkeypatch):
+    """transformers reads a .gguf through the gguf package: without it, one line that says how to install it,
+    before anything is read or written (no copy folder appears)."""
+    (tmp_path / "model.gguf").write_bytes(b"GGUF" + bytes(60))
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "gguf" else find_spec(name, *args)
+    )
+    with pytest.raises(ModelLoadError, match=r"--model .*model\.gguf: .*needs the gguf package.*pip install gguf"):
+        load_model_and_tokenizer(str(tmp_path / "model.gguf"), cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
 def test_device_and_dtype_resolution():
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu, is_gguf=False) == torch.float32
