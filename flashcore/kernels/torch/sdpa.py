@@ -33,49 +33,52 @@ def run(call: KernelCall) -> torch.Tensor:
     query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window = call
     batch, _, num_new, _ = query.shape
     capacity = k_cache.shape[2]
-    if num_new == 0:
+    if num_new == 0 or batch == 0:
         return torch.empty_like(query)
     lengths = seq_lens.tolist()
-    news = query_lens.tolist() if query_lens is not None else [num_new] * batch
+    news = query_lens.tolist() if query_lens is not None else None
+    start = lengths[0]
+    # The list methods run in C: this test is on every call's host path (a decode step's cost on the CPU).
+    if (
+        0 <= start <= capacity - num_new
+        and lengths.count(start) == batch
+        and (news is None or news.count(num_new) == batch)
+    ):
+        # -- uniform batch: one append, one SDPA call --
+        # narrow + copy_ rather than slice assignment: the same write, less host time on a decode call.
+        k_cache.narrow(2, start, num_new).copy_(key)
+        v_cache.narrow(2, start, num_new).copy_(value)
+        if start == 0:  # an empty row holds exactly the new tokens: attend to them where they already are
+            keys, values = key, value
+        else:
+            keys, values = k_cache.narrow(2, 0, start + num_new), v_cache.narrow(2, 0, start + num_new)
+        out = _attend(query, keys, values, start, is_causal, scale, sliding_window)
+        seq_lens.add_(num_new)
+        return out.contiguous()
+    # -- one row at a time; padding rows (i >= n_b) stay zero --
     # As the reference does, should check=False let a bad length through: a negative length counts as 0, and
     # tokens past capacity are attended by their queries but not stored.
     cached = [min(max(length, 0), capacity) for length in lengths]
-
-    if len(set(cached)) == 1 and all(new == num_new for new in news) and cached[0] + num_new <= capacity:
-        # -- uniform batch: one append, one SDPA call --
-        # narrow + copy_ rather than slice assignment: the same write, less host time on a decode call.
-        start, end = cached[0], cached[0] + num_new
-        k_cache.narrow(2, start, num_new).copy_(key)
-        v_cache.narrow(2, start, num_new).copy_(value)
-        keys, values = k_cache.narrow(2, 0, end), v_cache.narrow(2, 0, end)
-        if start == 0:  # an empty row holds exactly the new tokens: attend to them where they already are
-            keys, values = key, value
-        out = _attend(query, keys, values, start, is_causal, scale, sliding_window)
-    else:
-        # -- one row at a time; padding rows (i >= n_b) stay zero --
-        out = torch.zeros_like(query, memory_format=torch.contiguous_format)
-        for b in range(batch):
-            start, new = cached[b], news[b]
-            if new == 0:
-                continue
-            end = min(start + new, capacity)
-            k_cache[b, :, start:end] = key[b, :, : end - start]
-            v_cache[b, :, start:end] = value[b, :, : end - start]
-            rows = slice(b, b + 1)
-            out[rows, :, :new] = _attend(
-                query[rows, :, :new],
-                k_cache[rows, :, :end],
-                v_cache[rows, :, :end],
-                start,
-                is_causal,
-                scale,
-                sliding_window,
-            )
-
-    if query_lens is not None:
-        seq_lens.add_(query_lens)
-    else:
-        seq_lens.add_(num_new)
+    news = news if news is not None else [num_new] * batch
+    out = torch.zeros_like(query, memory_format=torch.contiguous_format)
+    for b in range(batch):
+        start, new = cached[b], news[b]
+        if new == 0:
+            continue
+        end = min(start + new, capacity)
+        k_cache[b, :, start:end] = key[b, :, : end - start]
+        v_cache[b, :, start:end] = value[b, :, : end - start]
+        rows = slice(b, b + 1)
+        out[rows, :, :new] = _attend(
+            query[rows, :, :new],
+            k_cache[rows, :, :end],
+            v_cache[rows, :, :end],
+            start,
+            is_causal,
+            scale,
+            sliding_window,
+        )
+    seq_lens.add_(query_lens if query_lens is not None else num_new)
     return out.contiguous()
 
 
