@@ -3,7 +3,7 @@
 The contract lives in :func:`flashcore.attention_with_kv_cache`.
 """
 
-from flashcore.cache import KVCache, allocate_kv_cache, cached_keys_values, reset_kv_cache
+from flashcore.cache import KVCache, allocate_kv_cache, cached_keys_values, reset_kv_cache, rollback
 from flashcore.ops import attention_with_kv_cache
 
 __version__ = "0.1.0"
@@ -15,4 +15,5 @@ __all__ = [
     "attention_with_kv_cache",
     "cached_keys_values",
     "reset_kv_cache",
+    "rollback",
 ]

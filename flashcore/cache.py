@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from flashcore.backends import is_capturing_or_tracing
+
 KVCache = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 """``(k_cache [B, H_kv, S_max, D], v_cache [B, H_kv, S_max, D], seq_lens int32 [B])``."""
 
@@ -70,6 +72,56 @@ def allocate_kv_cache(
 def reset_kv_cache(cache: KVCache) -> None:
     """Empties every row in place (``seq_lens[:] = 0``); K and V keep their now-garbage contents."""
     cache[2].zero_()
+
+
+def rollback(cache: KVCache, num_tokens: int | torch.Tensor, *, check: bool | None = None) -> KVCache:
+    """Forgets each row's last tokens, in place: ``seq_lens[b] -= n_b``. Returns the same tuple.
+
+    The rollback of :func:`flashcore.attention_with_kv_cache`'s append (speculative decoding's rejected draft tokens,
+    HF's ``Cache.crop``): K and V are not touched, and by the contract the positions ``>= seq_lens[b]`` are garbage
+    again, so the next call writes over them. One in-place subtraction on ``seq_lens``' device, safe under CUDA-graph
+    capture and ``torch.compile``.
+
+    Args:
+        cache: ``(k_cache, v_cache, seq_lens)``.
+        num_tokens: ``n``, the same for every row (a Python int), or one per row (int32 ``[B]`` on ``seq_lens``'
+            device).
+        check: check ``0 <= n_b <= seq_lens[b]`` with one host read of the lengths, before anything changes. None
+            means: check, unless a CUDA graph is being captured or ``torch.compile`` traces (a host read is not
+            allowed there). Unchecked, a bad count is the caller's: a length below 0 reads as an empty row, and a
+            length past what was written lets garbage reach an output.
+
+    Raises:
+        TypeError: ``num_tokens`` neither an int nor an int32 tensor.
+        ValueError: ``num_tokens`` of the wrong shape or device, a negative count, or more tokens than a row holds
+            (the message names the row); nothing changed.
+    """
+    seq_lens = cache[2]
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, torch.Tensor)):
+        raise TypeError(f"num_tokens must be an int or an int32 tensor of shape [B], got {type(num_tokens).__name__}")
+    if isinstance(num_tokens, torch.Tensor):
+        if num_tokens.dtype != SEQ_LENS_DTYPE:
+            raise TypeError(f"num_tokens must be torch.int32 like seq_lens, got {num_tokens.dtype}; use .int()")
+        if num_tokens.shape != seq_lens.shape or num_tokens.device != seq_lens.device:
+            raise ValueError(
+                f"num_tokens must have seq_lens' shape {tuple(seq_lens.shape)} and device {seq_lens.device}, got "
+                f"{tuple(num_tokens.shape)} on {num_tokens.device}"
+            )
+    elif num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0 (a rollback forgets tokens), got {num_tokens}")
+    if check is None:
+        check = not is_capturing_or_tracing()
+    if check:
+        lengths = seq_lens.tolist()
+        counts = num_tokens.tolist() if isinstance(num_tokens, torch.Tensor) else [num_tokens] * len(lengths)
+        for row, (length, count) in enumerate(zip(lengths, counts, strict=True)):
+            if not 0 <= count <= length:
+                raise ValueError(
+                    f"cannot roll back {count} tokens of row {row}, which holds seq_lens[{row}] = {length}: "
+                    f"num_tokens must be in [0, seq_lens[b]]; nothing changed"
+                )
+    seq_lens.sub_(num_tokens)
+    return cache
 
 
 def cached_keys_values(cache: KVCache, row: int) -> tuple[torch.Tensor, torch.Tensor]:

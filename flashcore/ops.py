@@ -45,7 +45,7 @@ def attention_with_kv_cache(
       or to all of ``[0, L_b + n_b)`` when not. ``sliding_window=W`` also hides positions ``<= p - W`` from
       the token at position ``p``: with ``is_causal`` it sees ``(p - W, p]``; without, ``(p - W, L_b + n_b)``.
     - Output rows ``i >= n_b`` are zero, and nothing is written for them.
-    - Then ``seq_lens[b] += n_b``, in place.
+    - Then ``seq_lens[b] += n_b``, in place. :func:`flashcore.rollback` undoes it: ``seq_lens[b] -= n_b``.
     - Cache memory at positions ``>= seq_lens[b]`` is garbage. It may hold NaN, and it never changes an
       output: it is never loaded unmasked.
 
