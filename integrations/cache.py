@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flashcore.backends import BACKENDS, is_capturing_or_tracing
-from flashcore.cache import KVCache, allocate_kv_cache
+from flashcore.cache import KVCache, allocate_kv_cache, rollback
 from flashcore.ops import attention_with_kv_cache
 
 DeviceLike = torch.device | str | int
@@ -39,6 +39,7 @@ class FlashCoreLayer(CacheLayerMixin):
 
     is_compileable = True
     is_sliding = False
+    is_croppable = True  # by FlashCoreCache.crop, which also moves the shared logical length
 
     def __init__(self, max_cache_len: int, *, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -111,8 +112,7 @@ class FlashCoreLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
-            "FlashCoreCache cannot be cropped (assisted generation, DoLa or contrastive search); use greedy, "
-            "sampling or beam search, or remove_flashcore(model)"
+            "crop the FlashCoreCache, not one of its layers: the layers share the logical length (FlashCoreCache.crop)"
         )
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -136,8 +136,9 @@ class FlashCoreCache(Cache):
 
     ``get_kv_cache(layer_idx)`` returns a layer's ``(k_cache, v_cache, seq_lens)``, the tuple that
     :func:`flashcore.attention_with_kv_cache` reads and writes; :meth:`append_and_attend` is the call the patched
-    model makes on it. Beam search is supported (``reorder_cache`` copies rows in place); cropping is not. Works
-    only with a patched model: a stock attention would never see the cached tokens.
+    model makes on it. Beam search is supported (``reorder_cache`` copies rows in place), and so is assisted
+    generation (``crop`` rolls the rows back). Works only with a patched model: a stock attention would never see
+    the cached tokens.
 
     Args:
         config: the model's config (its text config is used); every layer must be full attention.
@@ -288,6 +289,36 @@ class FlashCoreCache(Cache):
             if not is_capturing_or_tracing():
                 self.in_patched_forward = False
         return out
+
+    def crop(self, max_length: int) -> None:
+        """Forgets the last tokens of every row and layer, as ``Cache.crop`` does (assisted generation, prompt lookup).
+
+        ``max_length <= 0`` removes ``-max_length`` tokens (transformers 5.24's meaning); ``max_length > 0`` keeps the
+        first ``max_length`` (mask columns, pads included, as ``get_seq_length()`` counts them; the meaning of
+        earlier versions, a no-op when the cache holds no more). The removed tokens are the latest of every row, never
+        its left padding, so each layer's rows roll back by the same count (:func:`flashcore.rollback`): no copy, the
+        slots become garbage that the next step writes over. One host read of the logical length, and of layer 0's
+        lengths to check that every row holds the tokens removed; raises before anything changes otherwise.
+        """
+        if not isinstance(max_length, int) or isinstance(max_length, bool):
+            raise TypeError(f"crop takes an int (tokens to keep, or minus tokens to remove), got {max_length!r}")
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        if not layers:
+            return
+        length = int(layers[0].logical_length)
+        to_remove = -max_length if max_length <= 0 else max(length - max_length, 0)
+        if to_remove == 0:
+            return
+        if to_remove > length:
+            raise ValueError(f"cannot crop {to_remove} tokens from a FlashCoreCache that holds {length}")
+        first, *others = ((layer.keys, layer.values, layer.seq_lens) for layer in layers)
+        rollback(first, to_remove)  # checks every row: all layers hold the same lengths
+        for cache in others:
+            rollback(cache, to_remove, check=False)
+        for logical_length in self._logical_lengths.values():
+            logical_length.sub_(to_remove)
+        if self._host_length is not None:
+            self._host_length -= to_remove
 
     def reset(self) -> None:
         """Empties every row in place; see ``FlashCoreLayer.reset``."""

@@ -98,7 +98,7 @@ CACHE_ARGUMENT_NAME = _cache_argument_name()
 ``getattr(outputs, CACHE_ARGUMENT_NAME)`` to run on every supported transformers version."""
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-SUPPORTED_GENERATION_MODES = ("greedy_search", "sample", "beam_search", "beam_sample")
+SUPPORTED_GENERATION_MODES = ("greedy_search", "sample", "beam_search", "beam_sample", "assisted_generation")
 
 
 @dataclass
@@ -129,9 +129,10 @@ def apply_flashcore_to_llama(
 
     Supported: ``LlamaForCausalLM``/``LlamaModel`` and the same attention in Mistral (no sliding window) and
     Qwen2 (full-attention layers); fp16, bf16, fp32; left padding; greedy, sampling and beam search (the cache
-    reorders its rows in place); inference only. Refused with an error: sliding-window layers, other
-    architectures, custom or 4-D attention masks, attention dropout, gradients, and generation modes that crop
-    the cache (assisted generation, DoLa, contrastive search).
+    reorders its rows in place); assisted generation, with prompt lookup or a draft model (the cache crops by rolling
+    its rows back); inference only. Refused with an error: sliding-window layers, other architectures, custom or 4-D
+    attention masks, attention dropout, gradients, and the other generation modes (DoLa, contrastive search, group
+    and constrained beam search).
 
     Calling it again on a patched model brings it to the new options: ``backend`` is replaced, and each of
     ``layer_kernels`` and ``fuse_projections`` is turned on or off to match. Options the model cannot run are
@@ -292,12 +293,17 @@ def _make_prepare_cache_for_generation(model, state: _FlashCoreState):
         if generation_mode not in SUPPORTED_GENERATION_MODES:
             raise NotImplementedError(
                 f"flashcore runs generation modes {SUPPORTED_GENERATION_MODES}, not "
-                f"{getattr(generation_mode, 'value', generation_mode)!r}, "
-                f"which needs to crop the cache; call remove_flashcore(model) for it"
+                f"{getattr(generation_mode, 'value', generation_mode)!r}; call remove_flashcore(model) for it"
             )
         passed = model_kwargs.get(CACHE_ARGUMENT_NAME)
         if passed is not None and not isinstance(passed, FlashCoreCache):
             raise TypeError(_WRONG_CACHE.format(type(passed).__name__))
+        if generation_mode == "assisted_generation":
+            # generate sizes caches for max_length - 1 tokens (the last token is never fed back), but a verify step
+            # stores its candidates before checking them: up to max_length tokens with a draft model (which drafts no
+            # further), and up to prompt_lookup_num_tokens - 1 more with prompt lookup (whose candidates are cut to
+            # max_length only after the verify step).
+            max_cache_length += 1 + (generation_config.prompt_lookup_num_tokens or 0)
         # Checked here, once, because generate may compile the decode step, and a compiled step cannot read
         # lengths on the host: a per-step check there would be skipped and the overflow silently dropped.
         if passed is not None and max_cache_length > passed.max_cache_len:

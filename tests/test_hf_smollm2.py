@@ -83,3 +83,43 @@ def test_smollm2_left_padded_batch_matches_stock(smollm2, backend, max_new_token
     assert len(set(inputs["attention_mask"].sum(dim=1).tolist())) == len(CHATS)  # really different lengths
     expected, out = stock_and_patched_greedy(model, inputs, backend, max_new_tokens)
     assert torch.equal(out, expected), tokenizer.batch_decode(torch.cat([out, expected]))
+
+
+# An input-grounded turn: the answer quotes the passage, so prompt lookup finds candidates that the model accepts.
+PASSAGE = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, lit the great lamp, and watched the "
+    "ships pass the rocks until the sun came up again."
+)
+QUOTE_CHAT = f"Repeat this sentence exactly: {PASSAGE}"
+
+
+def truncated_copy(model, num_layers: int):
+    """The same model with only its first ``num_layers`` decoder layers: a draft model that shares the vocabulary."""
+    import copy
+
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:num_layers]
+    draft.config.num_hidden_layers = num_layers
+    return draft
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("assistant", ["prompt_lookup", "draft_model"])
+@torch.no_grad()
+def test_smollm2_assisted_greedy_matches_stock(smollm2, assistant):
+    """``generate`` with prompt lookup, and with a draft model (SmolLM2's first 6 layers), on flashcore's torch
+    backend: stock transformers' greedy tokens, with draft tokens accepted and rejected along the way."""
+    model, tokenizer = smollm2
+    inputs = chat_inputs(tokenizer, [QUOTE_CHAT])
+    if assistant == "prompt_lookup":
+        options = dict(prompt_lookup_num_tokens=4)
+    else:
+        options = dict(assistant_model=truncated_copy(model, 6))
+    kwargs = dict(**inputs, max_new_tokens=32, do_sample=False, **options)
+    expected = model.generate(**kwargs)
+    try:
+        apply_flashcore_to_llama(model, backend="torch")
+        out = model.generate(**kwargs)
+    finally:
+        remove_flashcore(model)
+    assert torch.equal(out, expected), tokenizer.batch_decode(torch.cat([out, expected]))
