@@ -85,12 +85,7 @@ class CachedLauncher:
         launch_pdl: bool = False,
         maxnreg: int | None = None,
     ) -> None:
-        options = dict(num_warps=num_warps, num_stages=num_stages)
-        # Only a launch that names an option passes it, so a kernel launched without it compiles as it always did.
-        if launch_pdl:
-            options["launch_pdl"] = True
-        if maxnreg is not None:
-            options["maxnreg"] = maxnreg
+        options = _compile_options(num_warps, num_stages, launch_pdl, maxnreg)
         if not args[0].is_cuda or _launch_hooks_set():
             self._launch_through_jit(grid, args, constexprs, options)
             return
@@ -132,11 +127,7 @@ class CachedLauncher:
         argument is kept as it is now. None for a launch that went through Triton's JIT (the interpreter, launch
         hooks, an argument the signature does not key) or whose varying tensors are not 16-byte aligned.
         """
-        options = dict(num_warps=num_warps, num_stages=num_stages)
-        if launch_pdl:
-            options["launch_pdl"] = True
-        if maxnreg is not None:
-            options["maxnreg"] = maxnreg
+        options = _compile_options(num_warps, num_stages, launch_pdl, maxnreg)
         if not args[0].is_cuda or _launch_hooks_set():
             return None
         if any(args[position].data_ptr() % 16 for position in varying):
@@ -191,6 +182,16 @@ class CachedLauncher:
         if len(self._compiled) >= MAX_CACHED_SIGNATURES:
             self._compiled.clear()
         self._compiled[key] = (compiled, tuple(constexprs[name] for name in self._constexpr_names))
+
+
+def _compile_options(num_warps: int, num_stages: int, launch_pdl: bool, maxnreg: int | None) -> dict:
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    # Only a launch that names an option passes it, so a kernel launched without it compiles as it always did.
+    if launch_pdl:
+        options["launch_pdl"] = True
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return options
 
 
 class BoundLaunch:

@@ -215,10 +215,11 @@ if common.HAS_GLUON:
         NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
         # -- launch order --
-        # The Triton kernel's (triton/attention.py): longest first, within groups of rows whose K/V fit in L2
-        # together. Axis 0 varies fastest in launch order; the i-th program of a group takes its row
-        # i % rows_in_group and, counting from the last, its M block i // rows_in_group, so every row's heaviest
-        # causal block starts before the lighter ones of any row in the group (NOTES.md, entry 40).
+        # The Triton kernel's (triton/attention.py), written again because Gluon cannot call @triton.jit code:
+        # longest first, within groups of rows whose K/V fit in L2 together. Axis 0 varies fastest in launch order;
+        # the i-th program of a group takes its row i % rows_in_group and, counting from the last, its M block
+        # i // rows_in_group, so every row's heaviest causal block starts before the lighter ones of any row in the
+        # group (NOTES.md, entry 40).
         num_rows = gl.num_programs(0)
         num_m_blocks = gl.num_programs(1)
         launch_index = gl.program_id(1) * num_rows + gl.program_id(0)
