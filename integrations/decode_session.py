@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import torch
 
+from flashcore.cache import rollback
 from flashcore.integrations.cache import FlashCoreCache
 from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, apply_flashcore_to_llama, flashcore_options
+from flashcore.integrations.prompt_lookup import propose_from_history
+
+MAX_DRAFT_TOKENS = 16  # per speculative step
 
 
 class DecodeSession:
@@ -81,6 +85,10 @@ class DecodeSession:
             model.config, max_cache_len, max_batch_size=batch_size, device=device, dtype=model.dtype
         )
         self.token = torch.zeros(batch_size, dtype=torch.long, device=device)
+        # Each row's text so far (its prompt's real tokens, then every selected token), for prompt lookup's drafts.
+        # Room for what speculative_step writes past the cache's last slot before it checks the drafts.
+        self._history = torch.zeros(batch_size, max_cache_len + 1 + MAX_DRAFT_TOKENS, dtype=torch.long, device=device)
+        self._history_len = torch.zeros(batch_size, dtype=torch.long, device=device)
         # RoPE position of the next token per row (left padding shifts rows), and its cache position (the same
         # for every row: pads occupy positions too, as in generate).
         self._position = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
@@ -120,6 +128,9 @@ class DecodeSession:
         self._position.copy_(positions[:, -1:] + 1)
         self._cache_position.add_(length)
         self.token.copy_(self._select(logits))
+        real = input_ids if attention_mask is None else _real_tokens_first(input_ids, attention_mask)
+        counts = torch.full_like(self._history_len, length) if attention_mask is None else attention_mask.sum(dim=1)
+        self._append_history(torch.cat([real, self.token[:, None]], dim=1), counts + 1)
         return self.token
 
     @torch.inference_mode()
@@ -137,16 +148,67 @@ class DecodeSession:
         self._graph.replay()
         return self.token
 
+    @torch.inference_mode()
+    def speculative_step(self, num_draft: int, max_ngram: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+        """One greedy step that may emit up to ``num_draft + 1`` tokens per row: prompt lookup drafts ``num_draft``
+        tokens from each row's own text (:func:`~flashcore.integrations.prompt_lookup.propose_from_history`), one
+        forward verifies them with ``self.token`` (``S_q = num_draft + 1``), and each row keeps its drafts up to
+        the first one the model would not have picked, then the model's own next token.
+
+        Returns ``(tokens [B, num_draft + 1], counts [B])``, both on the device: row b emitted
+        ``tokens[b, :counts[b]]``, the last of which is the new ``self.token``. The rejected drafts are rolled back
+        in every layer (``flashcore.rollback``, per row). The tokens are those ``decode_step`` would have given one
+        at a time, up to floating-point ties (the verify step attends over several new tokens at once). The cache
+        needs room for ``num_draft`` tokens past the last one kept. Runs eagerly, also where ``decode_step`` replays
+        a CUDA graph; greedy sessions only.
+        """
+        if self.temperature != 0:
+            raise NotImplementedError("speculative_step is greedy: build the session with temperature=0")
+        if not 1 <= num_draft <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft must be in [1, {MAX_DRAFT_TOKENS}], got {num_draft}")
+        batch = self.token.shape[0]
+        drafts = propose_from_history(self._history, self._history_len, num_draft, max_ngram)
+        steps = torch.arange(num_draft + 1, device=self.token.device)
+        logits = self.model(
+            input_ids=torch.cat([self.token[:, None], drafts], dim=1),
+            position_ids=self._position + steps,
+            cache_position=self._cache_position + steps,
+            **{CACHE_ARGUMENT_NAME: self.cache},
+            use_cache=True,
+        ).logits
+        picks = self._select(logits.reshape(batch * (num_draft + 1), -1)).view(batch, num_draft + 1)
+        # Drafts kept: the leading ones that equal the model's pick at the position before them.
+        kept = (drafts == picks[:, :num_draft]).long().cumprod(dim=1).sum(dim=1)  # [B]
+        counts = kept + 1
+        rejected = (num_draft - kept).to(torch.int32)
+        for layer in self.cache.layers:
+            rollback((layer.keys, layer.values, layer.seq_lens), rejected, check=False)
+        self.token.copy_(picks.gather(1, kept[:, None]).squeeze(1))
+        self._position.add_(counts[:, None])
+        self._cache_position.add_(counts.max())
+        self._append_history(picks, counts)
+        return picks, counts
+
     def reset(self) -> None:
         """Forgets every token; the captured graph stays valid (it reads the same buffers)."""
         self.cache.reset()
         self._position.zero_()
         self._cache_position.zero_()
+        self._history_len.zero_()
 
     def _step(self) -> None:
         self.token.copy_(self._next_token(self.token, self._position, self._cache_position))
         self._position.add_(1)
         self._cache_position.add_(1)
+        self._append_history(self.token[:, None], torch.ones_like(self._history_len))
+
+    def _append_history(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        """Appends each row's first ``counts[b]`` of ``tokens [B, n]`` to its text (the rest lands past its end,
+        where it is ignored); device tensor work only, so a captured step can do it."""
+        width = self._history.shape[1]
+        index = (self._history_len[:, None] + torch.arange(tokens.shape[1], device=tokens.device)).clamp(max=width - 1)
+        self._history.scatter_(1, index, tokens)
+        self._history_len.add_(counts).clamp_(max=width)
 
     def _next_token_eager(
         self, token: torch.Tensor, position: torch.Tensor, cache_position: torch.Tensor
@@ -167,6 +229,12 @@ class DecodeSession:
         # Gumbel-max: argmax(logits / T + Gumbel noise) samples softmax(logits / T), with no host sync.
         noise = -torch.log(-torch.log(torch.rand_like(logits, dtype=torch.float32).clamp_(min=1e-20)))
         return chunked_argmax(logits.float() / self.temperature + noise)
+
+
+def _real_tokens_first(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's real tokens moved to the front, in order (a left-padded row's pads go to the back)."""
+    order = torch.argsort(1 - attention_mask.to(torch.long), dim=1, stable=True)
+    return input_ids.gather(1, order)
 
 
 def chunked_argmax(scores: torch.Tensor) -> torch.Tensor:

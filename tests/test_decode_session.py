@@ -143,3 +143,56 @@ def test_chunked_argmax_matches_torch_argmax(vocab, generator):
     for dtype in (torch.float32, torch.bfloat16):
         typed = scores.to(dtype)
         assert torch.equal(chunked_argmax(typed), typed.argmax(dim=-1))
+
+
+def _lookup_reference(text: list[int], num_draft: int, max_ngram: int) -> list[int]:
+    """Prompt lookup in plain Python: the continuation of the latest earlier occurrence of the longest suffix."""
+    for ngram in range(min(max_ngram, len(text) - 1), 0, -1):
+        suffix = text[-ngram:]
+        starts = [p for p in range(len(text) - ngram) if text[p : p + ngram] == suffix]
+        if starts:
+            follow = text[starts[-1] + ngram : starts[-1] + ngram + num_draft]
+            return follow + [text[-1]] * (num_draft - len(follow))
+    return [text[-1]] * num_draft
+
+
+@pytest.mark.parametrize("max_ngram", [1, 3])
+def test_prompt_lookup_drafts_match_a_plain_python_lookup(max_ngram, generator):
+    from flashcore.integrations.prompt_lookup import propose_from_history
+
+    lengths = torch.randint(1, 40, (16,), generator=generator)
+    history = torch.randint(0, 4, (16, 48), generator=generator)  # 4 token ids: many repeated n-grams
+    drafts = propose_from_history(history, lengths, num_draft=5, max_ngram=max_ngram)
+    for row, length in enumerate(lengths.tolist()):
+        assert drafts[row].tolist() == _lookup_reference(history[row, :length].tolist(), 5, max_ngram), row
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("lengths", [[30], [18, 30, 24]], ids=["one_prompt", "left_padded_batch"])
+def test_speculative_steps_give_the_greedy_tokens(backend, lengths, device, generator, request):
+    """Speculative steps (prompt lookup, per-row acceptance and rollback) emit the tokens of one-at-a-time decode
+    steps on the same session setup; prompts that repeat themselves get drafts accepted."""
+    model = tiny_llama("gqa", seed_of(request), device)
+    apply_flashcore_to_llama(model, backend=backend)
+    input_ids, attention_mask = random_prompts(lengths, generator, device)
+    width = input_ids.shape[1]
+    phrase = input_ids[:, -6:]
+    input_ids = torch.cat([input_ids, phrase, phrase, phrase], dim=1)[:, -width:]  # each row's end repeats
+    new_tokens = 16
+    plain = DecodeSession(model, max_cache_len=width + new_tokens + 8, batch_size=len(lengths))
+    expected = [plain.prefill(input_ids, attention_mask).clone()]
+    expected += [plain.decode_step().clone() for _ in range(new_tokens - 1)]
+    expected = torch.stack(expected, dim=1).tolist()
+
+    # Rows run ahead of the slowest by up to num_draft + 1 tokens a step: room for all of it.
+    session = DecodeSession(model, max_cache_len=width + 6 * new_tokens, batch_size=len(lengths))
+    emitted = [[token] for token in session.prefill(input_ids, attention_mask).tolist()]
+    accepted = 0
+    while min(len(row) for row in emitted) < new_tokens:
+        tokens, counts = session.speculative_step(num_draft=4)
+        for row, (row_tokens, count) in enumerate(zip(tokens.tolist(), counts.tolist(), strict=True)):
+            emitted[row] += row_tokens[:count]
+        accepted += int((counts - 1).sum())
+    remove_flashcore(model)
+    assert [row[:new_tokens] for row in emitted] == expected
+    assert accepted > 0, "no draft was accepted: the test did not exercise the rollback of a partial draft"
