@@ -3,7 +3,8 @@
 Issue 28 asks for acceptance measured on the real model: an input-grounded workload (the answer quotes a given
 passage) and an open-ended one. This runs greedy ``generate`` of SmolLM2-135M-Instruct (float32, one torch thread,
 ``apply_flashcore_to_llama``, backend "torch") on each workload, without speculation and with
-``prompt_lookup_num_tokens=k`` for each ``--k``, the variants interleaved over ``--repeats`` rounds. Reported per
+``prompt_lookup_num_tokens=k`` for each ``--k``, then flashcore's ``DecodeSession`` one token at a time and with
+``speculative_step(k)``, the variants interleaved over ``--repeats`` rounds. Reported per
 workload and variant: tokens per second (new tokens over the median ``generate`` time), the verify steps, the draft
 tokens proposed and accepted per verify step (read off the cache: a verify step's forward brings ``1 + candidates``
 tokens, and its ``crop`` removes the rejected ones), and whether the tokens equal the non-speculative ones.
@@ -26,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 
+from flashcore.integrations.decode_session import MAX_DRAFT_TOKENS, DecodeSession  # noqa: E402
 from flashcore.integrations.llama import FlashCoreCache, apply_flashcore_to_llama  # noqa: E402
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,6 +73,23 @@ class VerifyCounter:
         FlashCoreCache.crop = self._crop
 
 
+def session_generate(model, input_ids: torch.Tensor, new_tokens: int, num_draft: int) -> tuple[list[int], dict]:
+    """``new_tokens`` greedy tokens from a ``DecodeSession``: one at a time (``num_draft`` 0) or by speculative steps.
+    Returns the tokens and the verify steps' counts."""
+    session = DecodeSession(model, max_cache_len=input_ids.shape[1] + new_tokens + MAX_DRAFT_TOKENS + 1)
+    tokens = session.prefill(input_ids).tolist()
+    steps = proposed = accepted = 0
+    while len(tokens) < new_tokens:
+        if num_draft:
+            picks, counts = session.speculative_step(num_draft)
+            count = int(counts[0])
+            tokens += picks[0, :count].tolist()
+            steps, proposed, accepted = steps + 1, proposed + num_draft, accepted + count - 1
+        else:
+            tokens.append(int(session.decode_step()[0]))
+    return tokens[:new_tokens], dict(verify_steps=steps, proposed=proposed, accepted=accepted)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="folder for prompt_lookup_cpu.json")
@@ -90,6 +109,8 @@ def main() -> None:
     apply_flashcore_to_llama(model, backend="torch")
     variants = {"no speculation": {}}
     variants |= {f"prompt lookup k={k}": {"prompt_lookup_num_tokens": int(k)} for k in args.k.split(",")}
+    variants |= {"session": {"num_draft": 0}}
+    variants |= {f"session speculative k={k}": {"num_draft": int(k)} for k in args.k.split(",")}
     rows = []
     for workload, question in WORKLOADS.items():
         text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
@@ -101,36 +122,44 @@ def main() -> None:
         for round_index in range(args.repeats + 1):  # round 0 warms up
             order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
             for name in order:
-                with VerifyCounter() as counter, torch.no_grad():
+                if name.startswith("session"):
                     started = time.perf_counter()
-                    out = model.generate(**kwargs, **variants[name])
+                    tokens[name], counts[name] = session_generate(model, inputs["input_ids"], args.new_tokens,
+                                                                  variants[name]["num_draft"])  # fmt: skip
                     elapsed = time.perf_counter() - started
+                else:
+                    with VerifyCounter() as counter, torch.no_grad():
+                        started = time.perf_counter()
+                        out = model.generate(**kwargs, **variants[name])
+                        elapsed = time.perf_counter() - started
+                    tokens[name] = out[0, inputs["input_ids"].shape[1] :].tolist()
+                    # The first forward brings the prompt and any candidates found in it; later ones the last token
+                    # and the candidates.
+                    sizes = counter.forward_sizes
+                    candidates = [sizes[0] - inputs["input_ids"].shape[1]] + [size - 1 for size in sizes[1:]]
+                    proposed = sum(candidates)
+                    counts[name] = dict(verify_steps=sum(1 for count in candidates if count > 0), proposed=proposed,
+                                        accepted=proposed - sum(counter.removed))  # fmt: skip
                 if round_index:
                     times[name].append(elapsed)
-                tokens[name] = out[0, inputs["input_ids"].shape[1] :].tolist()
-                # The first forward brings the prompt and any candidates found in it; later ones the last token
-                # and the candidates.
-                sizes = counter.forward_sizes
-                counts[name] = ([sizes[0] - inputs["input_ids"].shape[1]] + [size - 1 for size in sizes[1:]],
-                                counter.removed)  # fmt: skip
         for name in variants:
-            candidates, removed = counts[name]
-            proposed = sum(candidates)
-            verify_steps = sum(1 for count in candidates if count > 0)
+            stats = counts[name]
+            per_verify = round(stats["accepted"] / stats["verify_steps"], 2) if stats["verify_steps"] else None
             median_s = statistics.median(times[name])
             row = dict(
                 workload=workload, variant=name, new_tokens=len(tokens[name]), median_s=round(median_s, 3),
-                tok_per_s=round(len(tokens[name]) / median_s, 2), forwards=len(candidates),
-                verify_steps=verify_steps, proposed=proposed, accepted=proposed - sum(removed),
-                accepted_per_verify=round((proposed - sum(removed)) / verify_steps, 2) if verify_steps else None,
+                tok_per_s=round(len(tokens[name]) / median_s, 2), **stats,
+                accepted_per_verify=per_verify,
                 tokens_equal_no_speculation=tokens[name] == tokens["no speculation"],
             )  # fmt: skip
             rows.append(row)
             print(row, flush=True)
         base = next(r for r in rows if r["workload"] == workload and r["variant"] == "no speculation")
+        session = next(r for r in rows if r["workload"] == workload and r["variant"] == "session")
         for row in rows:
             if row["workload"] == workload:
                 row["speedup"] = round(row["tok_per_s"] / base["tok_per_s"], 3)
+                row["speedup_over_session"] = round(row["tok_per_s"] / session["tok_per_s"], 3)
         print(workload, "answer:", tokenizer.decode(tokens["no speculation"])[:300].replace("\n", " "), flush=True)
     payload = dict(environment=harness.environment(torch.device("cpu")), settings=vars(args), rows=rows)
     harness.write_json(harness.resolve_out_dir(args.out) / "prompt_lookup_cpu.json", payload)
