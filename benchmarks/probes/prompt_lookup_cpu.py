@@ -150,7 +150,9 @@ def main() -> None:
                 workload=workload, variant=name, new_tokens=len(tokens[name]), median_s=round(median_s, 3),
                 tok_per_s=round(len(tokens[name]) / median_s, 2), **stats,
                 accepted_per_verify=per_verify,
-                tokens_equal_no_speculation=tokens[name] == tokens["no speculation"],
+                # Each loop against its own one-at-a-time tokens (generate applies min_new_tokens, the session not).
+                tokens_equal_one_at_a_time=tokens[name] == tokens["session" if name.startswith("session") else
+                                                                 "no speculation"],
             )  # fmt: skip
             rows.append(row)
             print(row, flush=True)
