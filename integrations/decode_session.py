@@ -29,6 +29,7 @@ from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, apply_flashcore_to
 from flashcore.integrations.prompt_lookup import propose_from_history
 
 MAX_DRAFT_TOKENS = 16  # per speculative step
+MAX_DRAFT_BACKOFF = 16  # plain steps after drafts keep failing, at most, before speculating again
 
 
 class DecodeSession:
@@ -102,6 +103,8 @@ class DecodeSession:
             else self._next_token_eager
         )
         self._steps_before_capture = 1  # one eager step warms up kernels, autotuning and allocations
+        self._draft_backoff = 0  # plain steps speculative_step takes before it drafts again
+        self._failed_verifies = 0  # verify steps in a row that kept no draft
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -155,6 +158,11 @@ class DecodeSession:
         forward verifies them with ``self.token`` (``S_q = num_draft + 1``), and each row keeps its drafts up to
         the first one the model would not have picked, then the model's own next token.
 
+        Speculation stands aside where it cannot pay: a step where no row found a draft is a plain decode step, and
+        after a verify step that kept no draft the next ``1, 2, 4, ...`` (up to ``MAX_DRAFT_BACKOFF``) steps are plain
+        ones, the pause doubling with each failure in a row and ending at the first accepted draft. Both decisions
+        read the device on the host (the tokens' read that follows is one anyway).
+
         Returns ``(tokens [B, num_draft + 1], counts [B])``, both on the device: row b emitted
         ``tokens[b, :counts[b]]``, the last of which is the new ``self.token``. The rejected drafts are rolled back
         in every layer (``flashcore.rollback``, per row). The tokens are those ``decode_step`` would have given one
@@ -167,7 +175,12 @@ class DecodeSession:
         if not 1 <= num_draft <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft must be in [1, {MAX_DRAFT_TOKENS}], got {num_draft}")
         batch = self.token.shape[0]
-        drafts = propose_from_history(self._history, self._history_len, num_draft, max_ngram)
+        if self._draft_backoff > 0:
+            self._draft_backoff -= 1
+            return self._plain_step()
+        drafts, has_draft = propose_from_history(self._history, self._history_len, num_draft, max_ngram)
+        if not bool(has_draft.any()):
+            return self._plain_step()
         steps = torch.arange(num_draft + 1, device=self.token.device)
         logits = self.model(
             input_ids=torch.cat([self.token[:, None], drafts], dim=1),
@@ -187,7 +200,17 @@ class DecodeSession:
         self._position.add_(counts[:, None])
         self._cache_position.add_(counts.max())
         self._append_history(picks, counts)
+        if bool((kept == 0).all()):
+            self._failed_verifies += 1
+            self._draft_backoff = min(2 ** (self._failed_verifies - 1), MAX_DRAFT_BACKOFF)
+        else:
+            self._failed_verifies = 0
         return picks, counts
+
+    def _plain_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``decode_step`` in ``speculative_step``'s return format: one token per row."""
+        token = self.decode_step()
+        return token[:, None].clone(), torch.ones_like(token)
 
     def reset(self) -> None:
         """Forgets every token; the captured graph stays valid (it reads the same buffers)."""
@@ -195,6 +218,7 @@ class DecodeSession:
         self._position.zero_()
         self._cache_position.zero_()
         self._history_len.zero_()
+        self._draft_backoff = self._failed_verifies = 0
 
     def _step(self) -> None:
         self.token.copy_(self._next_token(self.token, self._position, self._cache_position))

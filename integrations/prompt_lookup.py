@@ -14,8 +14,9 @@ import torch
 
 def propose_from_history(
     history: torch.Tensor, lengths: torch.Tensor, num_draft: int, max_ngram: int = 3
-) -> torch.Tensor:
-    """``[B, num_draft]`` draft tokens for each row of ``history``.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(drafts [B, num_draft], has_draft [B])``: draft tokens for each row of ``history``, and which rows found
+    an earlier occurrence of their suffix.
 
     Args:
         history: ``[B, H]`` token ids; row b's text is ``history[b, :lengths[b]]``, the rest is ignored.
@@ -44,4 +45,4 @@ def propose_from_history(
     draft_index = best_start.clamp(min=0)[:, None] + torch.arange(num_draft, device=history.device)
     in_text = (best_start[:, None] >= 0) & (draft_index < lengths[:, None])
     drafts = history.gather(1, draft_index.clamp(max=width - 1))
-    return torch.where(in_text, drafts, last)
+    return torch.where(in_text, drafts, last), best_start >= 0

@@ -145,15 +145,15 @@ def test_chunked_argmax_matches_torch_argmax(vocab, generator):
         assert torch.equal(chunked_argmax(typed), typed.argmax(dim=-1))
 
 
-def _lookup_reference(text: list[int], num_draft: int, max_ngram: int) -> list[int]:
+def _lookup_reference(text: list[int], num_draft: int, max_ngram: int) -> tuple[list[int], bool]:
     """Prompt lookup in plain Python: the continuation of the latest earlier occurrence of the longest suffix."""
     for ngram in range(min(max_ngram, len(text) - 1), 0, -1):
         suffix = text[-ngram:]
         starts = [p for p in range(len(text) - ngram) if text[p : p + ngram] == suffix]
         if starts:
             follow = text[starts[-1] + ngram : starts[-1] + ngram + num_draft]
-            return follow + [text[-1]] * (num_draft - len(follow))
-    return [text[-1]] * num_draft
+            return follow + [text[-1]] * (num_draft - len(follow)), True
+    return [text[-1]] * num_draft, False
 
 
 @pytest.mark.parametrize("max_ngram", [1, 3])
@@ -162,9 +162,10 @@ def test_prompt_lookup_drafts_match_a_plain_python_lookup(max_ngram, generator):
 
     lengths = torch.randint(1, 40, (16,), generator=generator)
     history = torch.randint(0, 4, (16, 48), generator=generator)  # 4 token ids: many repeated n-grams
-    drafts = propose_from_history(history, lengths, num_draft=5, max_ngram=max_ngram)
+    drafts, has_draft = propose_from_history(history, lengths, num_draft=5, max_ngram=max_ngram)
     for row, length in enumerate(lengths.tolist()):
-        assert drafts[row].tolist() == _lookup_reference(history[row, :length].tolist(), 5, max_ngram), row
+        expected, found = _lookup_reference(history[row, :length].tolist(), 5, max_ngram)
+        assert drafts[row].tolist() == expected and bool(has_draft[row]) == found, row
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -187,12 +188,77 @@ def test_speculative_steps_give_the_greedy_tokens(backend, lengths, device, gene
     # Rows run ahead of the slowest by up to num_draft + 1 tokens a step: room for all of it.
     session = DecodeSession(model, max_cache_len=width + 6 * new_tokens, batch_size=len(lengths))
     emitted = [[token] for token in session.prefill(input_ids, attention_mask).tolist()]
-    accepted = 0
     while min(len(row) for row in emitted) < new_tokens:
         tokens, counts = session.speculative_step(num_draft=4)
         for row, (row_tokens, count) in enumerate(zip(tokens.tolist(), counts.tolist(), strict=True)):
             emitted[row] += row_tokens[:count]
-        accepted += int((counts - 1).sum())
     remove_flashcore(model)
     assert [row[:new_tokens] for row in emitted] == expected
-    assert accepted > 0, "no draft was accepted: the test did not exercise the rollback of a partial draft"
+
+
+@pytest.mark.parametrize("wrong_draft", [2, 0], ids=["third_draft_wrong", "every_draft_wrong"])
+def test_speculative_steps_keep_the_right_drafts_and_back_off(wrong_draft, device, generator, request, monkeypatch):
+    """Drafts built from the true continuation (one-at-a-time decode steps) with draft ``wrong_draft`` changed: every
+    verify step keeps exactly the drafts before it in every row, rolls the rest back, and the tokens stay the greedy
+    ones. With the first draft wrong nothing is kept, and the plain steps between verify steps double: 1, 2, 4."""
+    from flashcore.integrations import decode_session
+
+    num_draft, new_tokens, lengths = 4, 24, [9, 6]
+    model = tiny_llama("gqa", seed_of(request), device)
+    apply_flashcore_to_llama(model, backend="torch")
+    input_ids, attention_mask = random_prompts(lengths, generator, device)
+    plain = DecodeSession(model, max_cache_len=40, batch_size=2)
+    expected = [plain.prefill(input_ids, attention_mask).clone()]
+    expected += [plain.decode_step().clone() for _ in range(new_tokens + num_draft)]
+    expected = torch.stack(expected, dim=1)  # [B, new_tokens + num_draft + 1]
+    prompt_lens = attention_mask.sum(dim=1)
+
+    def true_drafts(history, history_len, num_draft, max_ngram):
+        done = history_len - prompt_lens  # tokens each row has emitted, the current one included
+        index = done[:, None] + torch.arange(num_draft, device=history.device)
+        drafts = expected.gather(1, index.clamp(max=expected.shape[1] - 1))
+        drafts[:, wrong_draft] = (drafts[:, wrong_draft] + 1) % model.config.vocab_size
+        return drafts, torch.ones_like(history_len, dtype=torch.bool)
+
+    monkeypatch.setattr(decode_session, "propose_from_history", true_drafts)
+    session = DecodeSession(model, max_cache_len=40 + num_draft, batch_size=2)
+    emitted = [[token] for token in session.prefill(input_ids, attention_mask).tolist()]
+    widths, kept = [], []
+    while min(len(row) for row in emitted) < new_tokens:
+        tokens, counts = session.speculative_step(num_draft)
+        widths.append(tokens.shape[1])
+        kept.append(counts.tolist())
+        for row, (row_tokens, count) in enumerate(zip(tokens.tolist(), counts.tolist(), strict=True)):
+            emitted[row] += row_tokens[:count]
+    remove_flashcore(model)
+    assert [row[:new_tokens] for row in emitted] == expected[:, :new_tokens].tolist()
+    if wrong_draft:
+        assert set(widths) == {num_draft + 1} and all(step == [wrong_draft + 1] * 2 for step in kept)
+    else:
+        verify_at = [step for step, width in enumerate(widths) if width > 1]
+        assert verify_at[:4] == [0, 2, 5, 10]  # plain steps in between: 1, 2, 4
+
+
+def test_speculative_step_without_drafts_is_a_plain_step(device, generator, request, monkeypatch):
+    """Where no row finds a draft, the step is one token's decode step (S_q = 1), with the tokens decode_step
+    gives."""
+    from flashcore.integrations import decode_session
+
+    model = tiny_llama("gqa", seed_of(request), device)
+    apply_flashcore_to_llama(model, backend="torch")
+    input_ids, attention_mask = random_prompts([9, 6], generator, device)
+    plain = DecodeSession(model, max_cache_len=20, batch_size=2)
+    expected = [plain.prefill(input_ids, attention_mask).tolist()] + [plain.decode_step().tolist() for _ in range(3)]
+
+    def no_drafts(history, lengths, num_draft, max_ngram):
+        return torch.zeros(history.shape[0], num_draft, dtype=torch.long, device=history.device), lengths < 0
+
+    monkeypatch.setattr(decode_session, "propose_from_history", no_drafts)
+    session = DecodeSession(model, max_cache_len=20, batch_size=2)
+    tokens = [session.prefill(input_ids, attention_mask).tolist()]
+    for _ in range(3):
+        step_tokens, counts = session.speculative_step(num_draft=4)
+        assert step_tokens.shape == (2, 1) and counts.tolist() == [1, 1]
+        tokens.append(step_tokens[:, 0].tolist())
+    remove_flashcore(model)
+    assert tokens == expected
