@@ -29,7 +29,7 @@ from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, apply_flashcore_to
 from flashcore.integrations.prompt_lookup import propose_from_history
 
 MAX_DRAFT_TOKENS = 16  # per speculative step
-MAX_DRAFT_BACKOFF = 16  # plain steps after drafts keep failing, at most, before speculating again
+MAX_DRAFT_BACKOFF = 64  # plain steps after drafts keep failing, at most, before speculating again
 
 
 class DecodeSession:

@@ -84,7 +84,8 @@ def session_generate(model, input_ids: torch.Tensor, new_tokens: int, num_draft:
             picks, counts = session.speculative_step(num_draft)
             count = int(counts[0])
             tokens += picks[0, :count].tolist()
-            steps, proposed, accepted = steps + 1, proposed + num_draft, accepted + count - 1
+            if picks.shape[1] > 1:  # a verify step (the others are plain steps: no draft, or speculation paused)
+                steps, proposed, accepted = steps + 1, proposed + num_draft, accepted + count - 1
         else:
             tokens.append(int(session.decode_step()[0]))
     return tokens[:new_tokens], dict(verify_steps=steps, proposed=proposed, accepted=accepted)
