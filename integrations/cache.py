@@ -311,14 +311,20 @@ class FlashCoreCache(Cache):
             return
         if to_remove > length:
             raise ValueError(f"cannot crop {to_remove} tokens from a FlashCoreCache that holds {length}")
-        first, *others = ((layer.keys, layer.values, layer.seq_lens) for layer in layers)
-        rollback(first, to_remove)  # checks every row: all layers hold the same lengths
-        for cache in others:
-            rollback(cache, to_remove, check=False)
+        self.rollback_rows(to_remove)
         for logical_length in self._logical_lengths.values():
             logical_length.sub_(to_remove)
         if self._host_length is not None:
             self._host_length -= to_remove
+
+    def rollback_rows(self, num_tokens: int | torch.Tensor, *, check: bool | None = None) -> None:
+        """:func:`flashcore.rollback` on every allocated layer: each row forgets its last ``num_tokens`` (an int, or
+        int32 ``[B]`` per row). Every layer holds the same lengths, so layer 0's check (``check``'s meaning is
+        ``rollback``'s) covers them all. The logical length is left as it is: rows that roll back different counts
+        no longer share one (``crop`` moves it for a count common to every row)."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        for index, layer in enumerate(layers):
+            rollback((layer.keys, layer.values, layer.seq_lens), num_tokens, check=check if index == 0 else False)
 
     def reset(self) -> None:
         """Empties every row in place; see ``FlashCoreLayer.reset``."""

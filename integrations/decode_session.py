@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from flashcore.cache import rollback
 from flashcore.integrations.cache import FlashCoreCache
 from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, apply_flashcore_to_llama, flashcore_options
 from flashcore.integrations.prompt_lookup import propose_from_history
@@ -165,7 +164,7 @@ class DecodeSession:
 
         Returns ``(tokens [B, num_draft + 1], counts [B])``, both on the device: row b emitted
         ``tokens[b, :counts[b]]``, the last of which is the new ``self.token``. The rejected drafts are rolled back
-        in every layer (``flashcore.rollback``, per row). The tokens are those ``decode_step`` would have given one
+        in every layer (``FlashCoreCache.rollback_rows``). The tokens are those ``decode_step`` would have given one
         at a time, up to floating-point ties (the verify step attends over several new tokens at once). The cache
         needs room for ``num_draft`` tokens past the last one kept. Runs eagerly, also where ``decode_step`` replays
         a CUDA graph; greedy sessions only.
@@ -193,9 +192,7 @@ class DecodeSession:
         # Drafts kept: the leading ones that equal the model's pick at the position before them.
         kept = (drafts == picks[:, :num_draft]).long().cumprod(dim=1).sum(dim=1)  # [B]
         counts = kept + 1
-        rejected = (num_draft - kept).to(torch.int32)
-        for layer in self.cache.layers:
-            rollback((layer.keys, layer.values, layer.seq_lens), rejected, check=False)
+        self.cache.rollback_rows((num_draft - kept).to(torch.int32), check=False)
         self.token.copy_(picks.gather(1, kept[:, None]).squeeze(1))
         self._position.add_(counts[:, None])
         self._cache_position.add_(counts.max())
