@@ -6,7 +6,9 @@ links to its docstring rather than restating the cache rules.
 
 from __future__ import annotations
 
+import functools
 import math
+from types import ModuleType
 
 import torch
 
@@ -164,15 +166,22 @@ def _(query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scal
 def _attention_with_kv_cache_impl(
     query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window, backend
 ) -> torch.Tensor:
-    # Imported on first use: the kernels import triton, which a torch-backend user on the CPU need not pay for
-    # at import time. Eagerly and under capture alike the same table decides, so that a graph-replayed decode step
-    # computes what an eager one does.
-    from flashcore import kernels
-
+    # Eagerly and under capture alike the same table decides, so that a graph-replayed decode step computes what an
+    # eager one does.
+    kernels = _kernels()
     call = kernels.KernelCall(
         query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window
     )
     return kernels.select_kernel(call, backend).run(call)
+
+
+@functools.cache
+def _kernels() -> ModuleType:
+    """``flashcore.kernels``, imported on first use: the kernels import triton, which a torch-backend user on the CPU
+    need not pay for at import time. Cached: an import statement per call was host time on every decode call."""
+    from flashcore import kernels
+
+    return kernels
 
 
 def _allocate_for_call(query: torch.Tensor, key: torch.Tensor, cache_max_len: int | None) -> KVCache:

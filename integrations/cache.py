@@ -404,18 +404,18 @@ def _equals(expected, got) -> bool:
     return expected == got
 
 
-def _is_same_device(expected: DeviceLike, got: torch.device) -> bool:
-    expected = torch.device(expected)
+def _is_same_device(expected: torch.device, got: torch.device) -> bool:
     if expected.type != got.type:
         return False
     # "cuda" means the current CUDA device, whichever index that is.
     return expected.index is None or expected.index == (got.index if got.index is not None else 0)
 
 
-def _per_layer_devices(device, num_layers: int) -> list:
+def _per_layer_devices(device, num_layers: int) -> list[torch.device | None]:
+    # Parsed once here: torch.device("cpu") from a string was a visible part of each layer's first update on the CPU.
     if device is None or isinstance(device, (torch.device, str, int)):
-        return [device] * num_layers
+        return [None if device is None else torch.device(device)] * num_layers
     devices = list(device)
     if len(devices) != num_layers:
         raise ValueError(f"device must be one device or one per layer ({num_layers}), got {len(devices)} devices")
-    return devices
+    return [None if layer_device is None else torch.device(layer_device) for layer_device in devices]
