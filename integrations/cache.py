@@ -293,6 +293,7 @@ class FlashCoreCache(Cache):
     def crop(self, max_length: int) -> None:
         """Forgets the last tokens of every row and layer, as ``Cache.crop`` does (assisted generation, prompt lookup).
 
+        ``max_length`` is an int, or a one-element integer tensor (read on the host).
         ``max_length <= 0`` removes ``-max_length`` tokens (transformers 5.24's meaning); ``max_length > 0`` keeps the
         first ``max_length`` (mask columns, pads included, as ``get_seq_length()`` counts them; the meaning of
         earlier versions, a no-op when the cache holds no more). The removed tokens are the latest of every row, never
@@ -300,6 +301,8 @@ class FlashCoreCache(Cache):
         slots become garbage that the next step writes over. One host read of the logical length, and of layer 0's
         lengths to check that every row holds the tokens removed; raises before anything changes otherwise.
         """
+        if isinstance(max_length, torch.Tensor) and max_length.numel() == 1 and not max_length.is_floating_point():
+            max_length = int(max_length)  # transformers 5.17's assisted decoding passes the count as a tensor
         if not isinstance(max_length, int) or isinstance(max_length, bool):
             raise TypeError(f"crop takes an int (tokens to keep, or minus tokens to remove), got {max_length!r}")
         layers = [layer for layer in self.layers if layer.is_initialized]

@@ -71,7 +71,7 @@ def test_crop_rolls_back_every_layer_and_the_logical_length(model, generator, de
     cache.crop(-4)  # transformers 5.24's meaning: remove 4
     assert [layer.seq_lens.tolist() for layer in cache.layers] == [[6, 3]] * len(cache.layers)
     assert int(cache.get_seq_length()) == 6
-    cache.crop(5)  # earlier versions' meaning: keep the first 5
+    cache.crop(torch.tensor(5, device=device))  # earlier versions' meaning: keep the first 5; a tensor, as 5.17 passes
     assert [layer.seq_lens.tolist() for layer in cache.layers] == [[5, 2]] * len(cache.layers)
     cache.crop(0)
     cache.crop(9)  # keeps more than it holds: nothing to do
@@ -84,6 +84,8 @@ def test_crop_rolls_back_every_layer_and_the_logical_length(model, generator, de
         cache.crop(-6)
     with pytest.raises(TypeError, match="crop takes an int"):
         cache.crop(1.5)
+    with pytest.raises(TypeError, match="crop takes an int"):
+        cache.crop(torch.tensor(-1.0))
     assert all(torch.equal(layer.seq_lens, saved) for layer, saved in zip(cache.layers, before, strict=True))
     assert int(cache.get_seq_length()) == 5
     remove_flashcore(model)
