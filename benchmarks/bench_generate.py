@@ -296,10 +296,17 @@ class Runner:
             for row in rows if round_index % 2 == 0 else reversed(rows):
                 elapsed, outs[id(row)] = self.timed_generate(row["path"], row["B"], args.new_tokens)
                 times[id(row)].append(elapsed)
+        stock = next((row for row in rows if row["path"] == "stock_eager"), None)
         for row in rows:
             row["prefill_s"], _ = self.timed_generate(row["path"], row["B"], 1)
             row["cudagraph_skips"], row["warnings"], row["skipping_cudagraphs"] = 0, [], []
             self.summarize(row, times[id(row)], outs[id(row)])
+            if stock is not None and row is not stock:
+                # Paired by round: stock's i-th time over this path's i-th, which ran next to it. A drift of the
+                # host's speed cancels within a pair, so their median is steadier than the ratio of the medians.
+                ratios = [a / b for a, b in zip(times[id(stock)], times[id(row)], strict=True)]
+                row["speedup_vs_stock_eager_by_round"] = [round(r, 4) for r in ratios]
+                row["speedup_vs_stock_eager_paired_median"] = round(statistics.median(ratios), 4)
             row["status"] = "ok"
 
     def summarize(self, row: dict, times: list[float], out: torch.Tensor) -> None:
@@ -437,7 +444,10 @@ def main(argv=None) -> dict:
                 if group["status"] != "ok":
                     row.update(status=group["status"], error=group.get("error"), traceback=group.get("traceback"))
                 else:
-                    harness.log(f"  {row['path']}: {row['tok_per_s']:.1f} tok/s, {row['ms_per_step']:.2f} ms/step")
+                    paired = row.get("speedup_vs_stock_eager_paired_median")
+                    paired = f", {paired:.3f}x stock_eager (median of per-round ratios)" if paired else ""
+                    speed = f"{row['tok_per_s']:.1f} tok/s, {row['ms_per_step']:.2f} ms/step"
+                    harness.log(f"  {row['path']}: {speed}{paired}")
                 row["wall_s"] = group["wall_s"]
                 payload["rows"].append(row)
             payload["agreement"] = agreement(runner)
