@@ -4,7 +4,8 @@ The draft for a row whose text ends in the n tokens ``t`` is what followed the l
 (n from ``max_ngram`` down to 1, the longest match winning), as in transformers' prompt lookup decoding and vLLM's
 n-gram proposer. No draft model: an answer that quotes its prompt (summaries, rewrites, code edits, a chat turn
 that repeats the conversation) gets most of its tokens accepted. Everything is tensor work of fixed shapes on the
-rows' device, with no host read, so a decode step that calls it can be captured in a CUDA graph.
+rows' device, with no host read, so a decode step that calls it can be captured in a CUDA graph (on CUDA it is one
+Triton launch).
 """
 
 from __future__ import annotations
@@ -27,7 +28,21 @@ def propose_from_history(
     A row with no earlier occurrence of even its last token gets copies of that token: a draft that the verify
     step rejects at no extra cost, since every row of the batch is verified anyway. Positions past a row's text are
     never proposed (a continuation is cut at ``lengths[b]`` and padded with the row's last token).
+
+    On CUDA one Triton launch computes it (``flashcore/kernels/triton/prompt_lookup.py``, tested against this
+    function's torch code, which runs everywhere else and defines the result).
     """
+    if history.is_cuda:
+        from flashcore.kernels.triton.prompt_lookup import propose
+
+        return propose(history.contiguous(), lengths.long(), num_draft, max_ngram)
+    return propose_with_torch(history, lengths, num_draft, max_ngram)
+
+
+def propose_with_torch(
+    history: torch.Tensor, lengths: torch.Tensor, num_draft: int, max_ngram: int = 3
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`propose_from_history` in torch tensor ops (fixed shapes, no host read), on any device."""
     batch, width = history.shape
     positions = torch.arange(width, device=history.device)
     last = history.gather(1, (lengths - 1)[:, None])  # [B, 1]
