@@ -29,6 +29,7 @@ from flashcore.integrations.prompt_lookup import propose_from_history
 
 MAX_DRAFT_TOKENS = 16  # per speculative step
 MAX_DRAFT_BACKOFF = 64  # plain steps after drafts keep failing, at most, before speculating again
+_WARM = object()  # a step key whose eager warm-up ran: the next call captures it
 
 
 class DecodeSession:
@@ -93,7 +94,9 @@ class DecodeSession:
         # for every row: pads occupy positions too, as in generate).
         self._position = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self._cache_position = torch.zeros(1, dtype=torch.long, device=device)
-        self._graph: torch.cuda.CUDAGraph | None = None
+        # Captured steps by key ("decode", or a speculative step's kind and settings): _WARM after the eager warm-up
+        # run, then (graph, outputs). See _run_step.
+        self._graphs: dict[tuple, object] = {}
         # fullgraph: a graph break would put Python between kernels that the capture cannot replay. The default
         # mode, because the session captures the CUDA graph itself.
         self._next_token = (
@@ -101,9 +104,13 @@ class DecodeSession:
             if compile
             else self._next_token_eager
         )
-        self._steps_before_capture = 1  # one eager step warms up kernels, autotuning and allocations
         self._draft_backoff = 0  # plain steps speculative_step takes before it drafts again
         self._failed_verifies = 0  # verify steps in a row that kept no draft
+        # The drafts for the next speculative step, proposed at the end of the step before it (inside its graph), and
+        # the settings they were proposed for (None: stale, after prefill, decode_step or reset).
+        self._drafts = torch.zeros(batch_size, MAX_DRAFT_TOKENS, dtype=torch.long, device=device)
+        self._drafts_for: tuple[int, int] | None = None
+        self._any_draft = False  # whether some row has a draft in self._drafts, as the last step's host read said
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,21 +140,14 @@ class DecodeSession:
         real = input_ids if attention_mask is None else _real_tokens_first(input_ids, attention_mask)
         counts = torch.full_like(self._history_len, length) if attention_mask is None else attention_mask.sum(dim=1)
         self._append_history(torch.cat([real, self.token[:, None]], dim=1), counts + 1)
+        self._drafts_for = None
         return self.token
 
     @torch.inference_mode()
     def decode_step(self) -> torch.Tensor:
         """Appends ``self.token`` and selects the next one; returns ``self.token`` (overwritten by the next step)."""
-        if not self.use_cuda_graph or self._steps_before_capture > 0:
-            self._steps_before_capture -= 1
-            self._step()
-            return self.token
-        if self._graph is None:
-            torch.cuda.synchronize()
-            self._graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._graph):
-                self._step()
-        self._graph.replay()
+        self._run_step(("decode",), self._step)
+        self._drafts_for = None
         return self.token
 
     @torch.inference_mode()
@@ -155,31 +155,79 @@ class DecodeSession:
         """One greedy step that may emit up to ``num_draft + 1`` tokens per row: prompt lookup drafts ``num_draft``
         tokens from each row's own text (:func:`~flashcore.integrations.prompt_lookup.propose_from_history`), one
         forward verifies them with ``self.token`` (``S_q = num_draft + 1``), and each row keeps its drafts up to
-        the first one the model would not have picked, then the model's own next token.
+        the first one the model would not have picked, then the model's own next token. The rejected drafts are
+        rolled back in every layer (``FlashCoreCache.rollback_rows``), on the device.
 
         Speculation stands aside where it cannot pay: a step where no row found a draft is a plain decode step, and
         after a verify step that kept no draft the next ``1, 2, 4, ...`` (up to ``MAX_DRAFT_BACKOFF``) steps are plain
-        ones, the pause doubling with each failure in a row and ending at the first accepted draft. Both decisions
-        read the device on the host (the tokens' read that follows is one anyway).
+        ones, the pause doubling with each failure in a row and ending at the first accepted draft.
 
-        Returns ``(tokens [B, num_draft + 1], counts [B])``, both on the device: row b emitted
-        ``tokens[b, :counts[b]]``, the last of which is the new ``self.token``. The rejected drafts are rolled back
-        in every layer (``FlashCoreCache.rollback_rows``). The tokens are those ``decode_step`` would have given one
-        at a time, up to floating-point ties (the verify step attends over several new tokens at once). The cache
-        needs room for ``num_draft`` tokens past the last one kept. Runs eagerly, also where ``decode_step`` replays
-        a CUDA graph; greedy sessions only.
+        A verify step, and a plain step that may be followed by one, also proposes the next step's drafts, so that
+        both decisions come from one host read per step: whether every draft failed and whether any row has a next
+        draft, read together after the step (the caller's read of the tokens then waits for nothing). The other plain
+        steps of a pause are ``decode_step``'s step, with no drafts and no host read. Like ``decode_step``, each kind of
+        step runs eagerly once and is then captured as a CUDA graph (per ``num_draft`` and ``max_ngram``) and
+        replayed; the first speculative step after ``prefill``, ``decode_step`` or a change of settings proposes its
+        drafts eagerly first (one more host read).
+
+        Returns ``(tokens [B, num_draft + 1], counts [B])`` (``[B, 1]`` for a plain step), on the device and
+        overwritten by later steps (read or clone them first): row b emitted ``tokens[b, :counts[b]]``, the last of which is
+        the new ``self.token``. The tokens are those ``decode_step`` would have given one at a time, up to
+        floating-point ties (the verify step attends over several new tokens at once). The cache needs room for
+        ``num_draft`` tokens past the last one kept. Greedy sessions only.
         """
         if self.temperature != 0:
             raise NotImplementedError("speculative_step is greedy: build the session with temperature=0")
         if not 1 <= num_draft <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft must be in [1, {MAX_DRAFT_TOKENS}], got {num_draft}")
-        batch = self.token.shape[0]
-        if self._draft_backoff > 0:
+        settings = (num_draft, max_ngram)
+        if self._drafts_for != settings:
+            self._any_draft = bool(self._propose(num_draft, max_ngram).any())
+            self._drafts_for = settings
+        if self._draft_backoff > 1:  # paused, and not the pause's last step: decode_step's step, no host read
             self._draft_backoff -= 1
-            return self._plain_step()
+            self._run_step(("decode",), self._step)  # self._drafts goes stale: the pause's last step proposes anew
+            return self.token[:, None], torch.ones_like(self.token)
+        if self._draft_backoff == 1 or not self._any_draft:  # a plain step that proposes the next step's drafts
+            self._draft_backoff = 0
+            tokens, counts, flags = self._run_step(("plain", *settings), lambda: self._plain_then_propose(*settings))
+        else:
+            tokens, counts, flags = self._run_step(("verify", *settings), lambda: self._verify_then_propose(*settings))
+        any_draft, all_failed = flags.tolist()  # the step's one host read
+        self._any_draft = bool(any_draft)
+        if tokens.shape[1] > 1:
+            if all_failed:
+                self._failed_verifies += 1
+                self._draft_backoff = min(2 ** (self._failed_verifies - 1), MAX_DRAFT_BACKOFF)
+            else:
+                self._failed_verifies = 0
+        return tokens, counts
+
+    @property
+    def captured_steps(self) -> list[tuple]:
+        """The steps that replay a CUDA graph, by key: ``("decode",)``, and a speculative step's ``("verify", k,
+        max_ngram)`` and ``("plain", k, max_ngram)``."""
+        return [key for key, entry in self._graphs.items() if entry is not _WARM]
+
+    def _propose(self, num_draft: int, max_ngram: int) -> torch.Tensor:
+        """Writes each row's next drafts into ``self._drafts``; returns which rows found one ``[B]``."""
         drafts, has_draft = propose_from_history(self._history, self._history_len, num_draft, max_ngram)
-        if not bool(has_draft.any()):
-            return self._plain_step()
+        self._drafts[:, :num_draft].copy_(drafts)
+        return has_draft
+
+    def _plain_then_propose(self, num_draft: int, max_ngram: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step, then the next drafts: ``(tokens [B, 1], counts [B], flags [2])``, flags being (any row has a
+        next draft, 0)."""
+        self._step()
+        has_draft = self._propose(num_draft, max_ngram)
+        flags = torch.stack([has_draft.any().long(), torch.zeros_like(has_draft[0], dtype=torch.long)])
+        return self.token[:, None].clone(), torch.ones_like(self.token), flags
+
+    def _verify_then_propose(self, num_draft: int, max_ngram: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The verify step of ``self._drafts``, then the next drafts: ``(tokens [B, num_draft + 1], counts [B],
+        flags [2])``, flags being (any row has a next draft, no row kept a draft). Device work only."""
+        batch = self.token.shape[0]
+        drafts = self._drafts[:, :num_draft]
         steps = torch.arange(num_draft + 1, device=self.token.device)
         logits = self.model(
             input_ids=torch.cat([self.token[:, None], drafts], dim=1),
@@ -197,17 +245,28 @@ class DecodeSession:
         self._position.add_(counts[:, None])
         self._cache_position.add_(counts.max())
         self._append_history(picks, counts)
-        if bool((kept == 0).all()):
-            self._failed_verifies += 1
-            self._draft_backoff = min(2 ** (self._failed_verifies - 1), MAX_DRAFT_BACKOFF)
-        else:
-            self._failed_verifies = 0
-        return picks, counts
+        has_draft = self._propose(num_draft, max_ngram)
+        flags = torch.stack([has_draft.any().long(), (kept == 0).all().long()])
+        return picks, counts, flags
 
-    def _plain_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``decode_step`` in ``speculative_step``'s return format: one token per row."""
-        token = self.decode_step()
-        return token[:, None].clone(), torch.ones_like(token)
+    def _run_step(self, key: tuple, step):
+        """``step()``'s outputs: run eagerly on its key's first call (warming up kernels, autotuning and allocations),
+        captured as a CUDA graph on the second and replayed from then on (the outputs are then the graph's own
+        tensors, overwritten by each replay). Always eager without ``use_cuda_graph``."""
+        entry = self._graphs.get(key)
+        if not self.use_cuda_graph or entry is None:
+            if self.use_cuda_graph:
+                self._graphs[key] = _WARM
+            return step()
+        if entry is _WARM:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outputs = step()
+            self._graphs[key] = entry = (graph, outputs)
+        graph, outputs = entry
+        graph.replay()
+        return outputs
 
     def reset(self) -> None:
         """Forgets every token; the captured graph stays valid (it reads the same buffers)."""
@@ -216,6 +275,7 @@ class DecodeSession:
         self._cache_position.zero_()
         self._history_len.zero_()
         self._draft_backoff = self._failed_verifies = 0
+        self._drafts_for = None
 
     def _step(self) -> None:
         self.token.copy_(self._next_token(self.token, self._position, self._cache_position))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ON_GPU
+from conftest import ON_GPU, TEST_DEVICE
 from hf_models import bf16_llama, random_prompts, seed_of, tiny_llama
 
 from flashcore.integrations.decode_session import DecodeSession, chunked_argmax
@@ -41,7 +41,7 @@ def test_session_matches_stock_greedy(backend, lengths, device, generator, reque
     remove_flashcore(model)
 
     assert torch.equal(torch.stack(tokens, dim=1), expected)
-    assert session.use_cuda_graph == ON_GPU and (session._graph is not None) == ON_GPU
+    assert session.use_cuda_graph == ON_GPU and (("decode",) in session.captured_steps) == ON_GPU
     first_layer = session.cache.get_kv_cache(0)
     assert first_layer[2].tolist() == [length + NEW_TOKENS - 1 for length in lengths]
 
@@ -156,15 +156,21 @@ def _lookup_reference(text: list[int], num_draft: int, max_ngram: int) -> tuple[
     return [text[-1]] * num_draft, False
 
 
-@pytest.mark.parametrize("max_ngram", [1, 3])
-def test_prompt_lookup_drafts_match_a_plain_python_lookup(max_ngram, generator):
-    from flashcore.integrations.prompt_lookup import propose_from_history
+@pytest.mark.parametrize("implementation", ["torch", "triton"])
+@pytest.mark.parametrize(("max_ngram", "num_draft", "width"), [(1, 5, 48), (3, 5, 48), (3, 3, 2000)])
+def test_prompt_lookup_drafts_match_a_plain_python_lookup(implementation, max_ngram, num_draft, width, generator):
+    """Both implementations of the proposal (torch ops, which run off CUDA, and the Triton launch, which runs on CUDA)
+    against a plain-Python lookup; width 2000 takes the Triton kernel's scan over several blocks."""
+    from flashcore.integrations.prompt_lookup import propose_with_torch
+    from flashcore.kernels.triton.prompt_lookup import propose
 
-    lengths = torch.randint(1, 40, (16,), generator=generator)
-    history = torch.randint(0, 4, (16, 48), generator=generator)  # 4 token ids: many repeated n-grams
-    drafts, has_draft = propose_from_history(history, lengths, num_draft=5, max_ngram=max_ngram)
+    lengths = torch.randint(1, width - 8, (16,), generator=generator)
+    history = torch.randint(0, 4, (16, width), generator=generator)  # 4 token ids: many repeated n-grams
+    lengths[0], history[1, :] = 1, torch.arange(width)  # one token of text; a text with no repeat
+    run = propose_with_torch if implementation == "torch" else propose
+    drafts, has_draft = run(history.to(TEST_DEVICE), lengths.to(TEST_DEVICE), num_draft, max_ngram)
     for row, length in enumerate(lengths.tolist()):
-        expected, found = _lookup_reference(history[row, :length].tolist(), 5, max_ngram)
+        expected, found = _lookup_reference(history[row, :length].tolist(), num_draft, max_ngram)
         assert drafts[row].tolist() == expected and bool(has_draft[row]) == found, row
 
 
@@ -194,6 +200,8 @@ def test_speculative_steps_give_the_greedy_tokens(backend, lengths, device, gene
             emitted[row] += row_tokens[:count]
     remove_flashcore(model)
     assert [row[:new_tokens] for row in emitted] == expected
+    # On the GPU the verify step replays a CUDA graph after its eager warm-up: the tokens above came through it.
+    assert (("verify", 4, 3) in session.captured_steps) == ON_GPU
 
 
 @pytest.mark.parametrize("wrong_draft", [2, 0], ids=["third_draft_wrong", "every_draft_wrong"])
