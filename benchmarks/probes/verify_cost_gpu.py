@@ -1,0 +1,149 @@
+"""Probe: what does one captured verify step of k + 1 tokens cost against one captured decode step, on the GPU?
+
+Issue 28 asks for the cost of ``DecodeSession``'s speculative verify step (prompt lookup's k drafts plus the current
+token in one forward, ``S_q = k + 1``, with acceptance, rollback and the next drafts on the device) against a decode
+step, for k in {2, 4, 8}, so that the GPU speed-up follows from an acceptance measured elsewhere (on the real model:
+``prompt_lookup_cpu.py``). Acceptance depends on the weights; this model has random ones.
+
+Model: ``bench_generate``'s (the Llama-3.2-1B shape, bf16, random weights), prompt 512 tokens that repeat one
+16-token phrase (so prompt lookup always finds a draft and the verify step always runs), B 1 and 16. For each B:
+
+- ``decode``: the session's captured decode step (``decode_step``), replayed;
+- ``verify k``: the captured verify step (``speculative_step``'s), replayed on its own, which verifies the drafts
+  the previous replay proposed;
+- ``plain_propose k``: the captured plain step that also proposes the next drafts (the last step of a pause after
+  failed drafts, and every step while no row has a draft).
+
+Each figure is the median over ``--trials`` of CUDA-event timings of ``--replays`` back-to-back replays (the
+device's time per step; the context grows by the tokens kept, from 512 up to a few hundred more). Then the host's
+view: the wall time of one ``speculative_step(k)`` call (replay plus its one host read) against one ``decode_step``
+followed by reading its token, medians over ``--calls`` calls.
+
+    python benchmarks/probes/verify_cost_gpu.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_generate import build_config, build_model  # noqa: E402
+
+PHRASE_LEN = 16
+
+
+def replay_ms(graph, replays: int, trials: int) -> float:
+    """Median over ``trials`` of the device's ms per replay of ``graph`` (CUDA events around ``replays`` replays)."""
+    times = []
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return statistics.median(times)
+
+
+def new_session(model, batch: int, prompt: torch.Tensor, capacity: int):
+    from flashcore.integrations.decode_session import DecodeSession
+
+    session = DecodeSession(model, max_cache_len=capacity, batch_size=batch)
+    session.prefill(prompt)
+    return session
+
+
+def main(args: argparse.Namespace) -> None:
+    device = torch.device("cuda")
+    config = build_config(is_tiny=False)
+    model = build_model(config, device)
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        phrase = torch.randint(0, config.vocab_size, (batch, PHRASE_LEN), generator=generator)
+        prompt = phrase.repeat(1, args.prompt_len // PHRASE_LEN).to(device)
+        capacity = args.prompt_len + args.replays * (args.trials + 4) * (max(args.drafts) + 1) + 64
+        session = new_session(model, batch, prompt, capacity)
+        for _ in range(3):  # eager warm-up, capture, one replay
+            session.decode_step()
+        decode_graph = session._graphs[("decode",)][0]
+        row = {"batch": batch, "decode_ms": replay_ms(decode_graph, args.replays, args.trials)}
+        host = {"decode": []}
+        for _ in range(args.calls):
+            started = time.perf_counter()
+            session.decode_step().tolist()
+            host["decode"].append(1e3 * (time.perf_counter() - started))
+        row["decode_call_ms"] = statistics.median(host["decode"])
+        for num_draft in args.drafts:
+            session = new_session(model, batch, prompt, capacity)
+            key = ("verify", num_draft, 3)
+            kept = []
+            plain_key = ("plain", num_draft, 3)
+            for _ in range(200):  # until the verify step and the proposing plain step both replay graphs
+                if key in session.captured_steps and plain_key in session.captured_steps:
+                    break
+                tokens, counts = session.speculative_step(num_draft)
+            calls = []
+            for _ in range(args.calls):
+                started = time.perf_counter()
+                tokens, counts = session.speculative_step(num_draft)
+                counts.tolist()
+                calls.append(1e3 * (time.perf_counter() - started))
+                if tokens.shape[1] > 1:
+                    kept += (counts - 1).tolist()
+            graph = session._graphs[key][0]
+            row[f"verify_{num_draft}_ms"] = verify_ms = replay_ms(graph, args.replays, args.trials)
+            row[f"verify_{num_draft}_over_decode"] = verify_ms / row["decode_ms"]
+            row[f"verify_{num_draft}_call_ms"] = statistics.median(calls)
+            row[f"verify_{num_draft}_mean_kept_random_weights"] = statistics.mean(kept) if kept else None
+            if plain_key in session.captured_steps:
+                plain_ms = replay_ms(session._graphs[plain_key][0], args.replays, args.trials)
+                row[f"plain_propose_{num_draft}_ms"] = plain_ms
+                row[f"plain_propose_{num_draft}_over_decode"] = plain_ms / row["decode_ms"]
+            print(
+                f"B={batch:<3} k={num_draft}: verify {verify_ms:.3f} ms = {verify_ms / row['decode_ms']:.3f}x decode "
+                f"({row['decode_ms']:.3f} ms); per call {row[f'verify_{num_draft}_call_ms']:.3f} ms against "
+                f"{row['decode_call_ms']:.3f} ms; a plain step that proposes "
+                f"{row.get(f'plain_propose_{num_draft}_over_decode', float('nan')):.3f}x decode",
+                flush=True,
+            )
+        rows.append(row)
+    payload = {
+        "question": __doc__.split("\n\n")[0],
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "git_commit": os.environ.get("FLASHCORE_GIT_COMMIT", "unknown"),
+        "settings": vars(args),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "verify_cost_gpu.json").write_text(json.dumps(payload, indent=1))
+    print("wrote", out / "verify_cost_gpu.json")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="folder for the JSON")
+    parser.add_argument("--batches", default="1,16", help="comma-separated batch sizes")
+    parser.add_argument("--drafts", type=lambda text: [int(k) for k in text.split(",")], default=[2, 4, 8])
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--replays", type=int, default=20, help="replays per timing")
+    parser.add_argument("--trials", type=int, default=7, help="timings per figure")
+    parser.add_argument("--calls", type=int, default=30, help="timed calls per host-side figure")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main(parse_args())
