@@ -29,6 +29,11 @@ from flashcore.integrations.prompt_lookup import propose_from_history
 
 MAX_DRAFT_TOKENS = 16  # per speculative step
 MAX_DRAFT_BACKOFF = 64  # plain steps after drafts keep failing, at most, before speculating again
+# speculative_step's n-gram sizes: a draft needs an earlier occurrence of the row's last 2 or 3 tokens. A 1-token match
+# drafted on 6 of 64 steps of an open-ended SmolLM2 answer and never held; from 2, 3 verify steps, and on an
+# input-grounded answer fewer verify steps for the same accepted drafts (benchmarks/NOTES.md, entry 42).
+DEFAULT_MAX_NGRAM = 3
+DEFAULT_MIN_NGRAM = 2
 _WARM = object()  # a step key whose eager warm-up ran: the next call captures it
 
 
@@ -151,38 +156,40 @@ class DecodeSession:
         return self.token
 
     @torch.inference_mode()
-    def speculative_step(self, num_draft: int, max_ngram: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    def speculative_step(
+        self, num_draft: int, max_ngram: int = DEFAULT_MAX_NGRAM, min_ngram: int = DEFAULT_MIN_NGRAM
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One greedy step that may emit up to ``num_draft + 1`` tokens per row: prompt lookup drafts ``num_draft``
-        tokens from each row's own text (:func:`~flashcore.integrations.prompt_lookup.propose_from_history`), one
-        forward verifies them with ``self.token`` (``S_q = num_draft + 1``), and each row keeps its drafts up to
-        the first one the model would not have picked, then the model's own next token. The rejected drafts are
-        rolled back in every layer (``FlashCoreCache.rollback_rows``), on the device.
+        tokens from each row's own text (:func:`~flashcore.integrations.prompt_lookup.propose_from_history`, with its
+        ``max_ngram`` and ``min_ngram``), one forward verifies them with ``self.token`` (``S_q = num_draft + 1``), and
+        each row keeps its drafts up to the first one the model would not have picked, then the model's own next token.
+        The rejected drafts are rolled back in every layer (``FlashCoreCache.rollback_rows``), on the device.
 
         Speculation stands aside where it cannot pay: a step where no row found a draft is a plain decode step, and
         after a verify step that kept no draft the next ``1, 2, 4, ...`` (up to ``MAX_DRAFT_BACKOFF``) steps are plain
         ones, the pause doubling with each failure in a row and ending at the first accepted draft.
 
-        A verify step, and a plain step that may be followed by one, also proposes the next step's drafts, so that
-        both decisions come from one host read per step: whether every draft failed and whether any row has a next
-        draft, read together after the step (the caller's read of the tokens then waits for nothing). The other plain
-        steps of a pause are ``decode_step``'s step, with no drafts and no host read. Like ``decode_step``, each kind of
-        step runs eagerly once and is then captured as a CUDA graph (per ``num_draft`` and ``max_ngram``) and
-        replayed; the first speculative step after ``prefill``, ``decode_step`` or a change of settings proposes its
-        drafts eagerly first (one more host read).
+        A verify step, and a plain step that may be followed by one, also proposes the next step's drafts, so that both
+        decisions come from one host read per step: whether every draft failed and whether any row has a next draft,
+        read together after the step (the caller's read of the tokens then waits for nothing). The other plain steps of
+        a pause are ``decode_step``'s step, with no drafts and no host read. Like ``decode_step``, each kind of step
+        runs eagerly once and is then captured as a CUDA graph (per setting of ``num_draft``, ``max_ngram`` and
+        ``min_ngram``) and replayed; the first speculative step after ``prefill``, ``decode_step`` or a change of
+        settings proposes its drafts eagerly first (one more host read).
 
-        Returns ``(tokens [B, num_draft + 1], counts [B])`` (``[B, 1]`` for a plain step), on the device and
-        overwritten by later steps (read or clone them first): row b emitted ``tokens[b, :counts[b]]``, the last of which is
-        the new ``self.token``. The tokens are those ``decode_step`` would have given one at a time, up to
-        floating-point ties (the verify step attends over several new tokens at once). The cache needs room for
-        ``num_draft`` tokens past the last one kept. Greedy sessions only.
+        Returns ``(tokens [B, num_draft + 1], counts [B])`` (``[B, 1]`` for a plain step), on the device and overwritten
+        by later steps (read or clone them first): row b emitted ``tokens[b, :counts[b]]``, the last of which is the new
+        ``self.token``. The tokens are those ``decode_step`` would have given one at a time, up to floating-point ties
+        (the verify step attends over several new tokens at once). The cache needs room for ``num_draft`` tokens past
+        the last one kept. Greedy sessions only.
         """
         if self.temperature != 0:
             raise NotImplementedError("speculative_step is greedy: build the session with temperature=0")
         if not 1 <= num_draft <= MAX_DRAFT_TOKENS:
             raise ValueError(f"num_draft must be in [1, {MAX_DRAFT_TOKENS}], got {num_draft}")
-        settings = (num_draft, max_ngram)
+        settings = (num_draft, max_ngram, min_ngram)
         if self._drafts_for != settings:
-            self._any_draft = bool(self._propose(num_draft, max_ngram).any())
+            self._any_draft = bool(self._propose(*settings).any())
             self._drafts_for = settings
         if self._draft_backoff > 1:  # paused, and not the pause's last step: decode_step's step, no host read
             self._draft_backoff -= 1
@@ -206,27 +213,27 @@ class DecodeSession:
     @property
     def captured_steps(self) -> list[tuple]:
         """The steps that replay a CUDA graph, by key: ``("decode",)``, and a speculative step's ``("verify", k,
-        max_ngram)`` and ``("plain", k, max_ngram)``."""
+        max_ngram, min_ngram)`` and ``("plain", k, max_ngram, min_ngram)``."""
         return [key for key, entry in self._graphs.items() if entry is not _WARM]
 
-    def _propose(self, num_draft: int, max_ngram: int) -> torch.Tensor:
+    def _propose(self, num_draft: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
         """Writes each row's next drafts into ``self._drafts``; returns which rows found one ``[B]``."""
-        drafts, has_draft = propose_from_history(self._history, self._history_len, num_draft, max_ngram)
+        drafts, has_draft = propose_from_history(self._history, self._history_len, num_draft, max_ngram, min_ngram)
         self._drafts[:, :num_draft].copy_(drafts)
         return has_draft
 
-    def _plain_then_propose(self, num_draft: int, max_ngram: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _plain_then_propose(self, *settings: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A decode step, then the next drafts: ``(tokens [B, 1], counts [B], flags [2])``, flags being (any row has a
         next draft, 0)."""
         self._step()
-        has_draft = self._propose(num_draft, max_ngram)
+        has_draft = self._propose(*settings)
         flags = torch.stack([has_draft.any().long(), torch.zeros_like(has_draft[0], dtype=torch.long)])
         return self.token[:, None].clone(), torch.ones_like(self.token), flags
 
-    def _verify_then_propose(self, num_draft: int, max_ngram: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _verify_then_propose(self, *settings: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The verify step of ``self._drafts``, then the next drafts: ``(tokens [B, num_draft + 1], counts [B],
         flags [2])``, flags being (any row has a next draft, no row kept a draft). Device work only."""
-        batch = self.token.shape[0]
+        batch, num_draft = self.token.shape[0], settings[0]
         drafts = self._drafts[:, :num_draft]
         steps = torch.arange(num_draft + 1, device=self.token.device)
         logits = self.model(
@@ -245,7 +252,7 @@ class DecodeSession:
         self._position.add_(counts[:, None])
         self._cache_position.add_(counts.max())
         self._append_history(picks, counts)
-        has_draft = self._propose(num_draft, max_ngram)
+        has_draft = self._propose(*settings)
         flags = torch.stack([has_draft.any().long(), (kept == 0).all().long()])
         return picks, counts, flags
 

@@ -8,7 +8,7 @@ import torch
 from conftest import ON_GPU, TEST_DEVICE
 from hf_models import bf16_llama, random_prompts, seed_of, tiny_llama
 
-from flashcore.integrations.decode_session import DecodeSession, chunked_argmax
+from flashcore.integrations.decode_session import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, DecodeSession, chunked_argmax
 from flashcore.integrations.llama import (
     CACHE_ARGUMENT_NAME,
     FlashCoreCache,
@@ -145,9 +145,9 @@ def test_chunked_argmax_matches_torch_argmax(vocab, generator):
         assert torch.equal(chunked_argmax(typed), typed.argmax(dim=-1))
 
 
-def _lookup_reference(text: list[int], num_draft: int, max_ngram: int) -> tuple[list[int], bool]:
+def _lookup_reference(text: list[int], num_draft: int, max_ngram: int, min_ngram: int) -> tuple[list[int], bool]:
     """Prompt lookup in plain Python: the continuation of the latest earlier occurrence of the longest suffix."""
-    for ngram in range(min(max_ngram, len(text) - 1), 0, -1):
+    for ngram in range(min(max_ngram, len(text) - 1), min_ngram - 1, -1):
         suffix = text[-ngram:]
         starts = [p for p in range(len(text) - ngram) if text[p : p + ngram] == suffix]
         if starts:
@@ -157,8 +157,12 @@ def _lookup_reference(text: list[int], num_draft: int, max_ngram: int) -> tuple[
 
 
 @pytest.mark.parametrize("implementation", ["torch", "triton"])
-@pytest.mark.parametrize(("max_ngram", "num_draft", "width"), [(1, 5, 48), (3, 5, 48), (3, 3, 2000)])
-def test_prompt_lookup_drafts_match_a_plain_python_lookup(implementation, max_ngram, num_draft, width, generator):
+@pytest.mark.parametrize(
+    ("max_ngram", "min_ngram", "num_draft", "width"), [(1, 1, 5, 48), (3, 1, 5, 48), (3, 2, 5, 48), (3, 1, 3, 2000)]
+)
+def test_prompt_lookup_drafts_match_a_plain_python_lookup(
+    implementation, max_ngram, min_ngram, num_draft, width, generator
+):
     """Both implementations of the proposal (torch ops, which run off CUDA, and the Triton launch, which runs on CUDA)
     against a plain-Python lookup; width 2000 takes the Triton kernel's scan over several blocks."""
     from flashcore.integrations.prompt_lookup import propose_with_torch
@@ -168,9 +172,9 @@ def test_prompt_lookup_drafts_match_a_plain_python_lookup(implementation, max_ng
     history = torch.randint(0, 4, (16, width), generator=generator)  # 4 token ids: many repeated n-grams
     lengths[0], history[1, :] = 1, torch.arange(width)  # one token of text; a text with no repeat
     run = propose_with_torch if implementation == "torch" else propose
-    drafts, has_draft = run(history.to(TEST_DEVICE), lengths.to(TEST_DEVICE), num_draft, max_ngram)
+    drafts, has_draft = run(history.to(TEST_DEVICE), lengths.to(TEST_DEVICE), num_draft, max_ngram, min_ngram)
     for row, length in enumerate(lengths.tolist()):
-        expected, found = _lookup_reference(history[row, :length].tolist(), num_draft, max_ngram)
+        expected, found = _lookup_reference(history[row, :length].tolist(), num_draft, max_ngram, min_ngram)
         assert drafts[row].tolist() == expected and bool(has_draft[row]) == found, row
 
 
@@ -201,7 +205,7 @@ def test_speculative_steps_give_the_greedy_tokens(backend, lengths, device, gene
     remove_flashcore(model)
     assert [row[:new_tokens] for row in emitted] == expected
     # On the GPU the verify step replays a CUDA graph after its eager warm-up: the tokens above came through it.
-    assert (("verify", 4, 3) in session.captured_steps) == ON_GPU
+    assert (("verify", 4, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM) in session.captured_steps) == ON_GPU
 
 
 @pytest.mark.parametrize("wrong_draft", [2, 0], ids=["third_draft_wrong", "every_draft_wrong"])
@@ -221,7 +225,7 @@ def test_speculative_steps_keep_the_right_drafts_and_back_off(wrong_draft, devic
     expected = torch.stack(expected, dim=1)  # [B, new_tokens + num_draft + 1]
     prompt_lens = attention_mask.sum(dim=1)
 
-    def true_drafts(history, history_len, num_draft, max_ngram):
+    def true_drafts(history, history_len, num_draft, max_ngram, min_ngram):
         done = history_len - prompt_lens  # tokens each row has emitted, the current one included
         index = done[:, None] + torch.arange(num_draft, device=history.device)
         drafts = expected.gather(1, index.clamp(max=expected.shape[1] - 1))
@@ -258,7 +262,7 @@ def test_speculative_step_without_drafts_is_a_plain_step(device, generator, requ
     plain = DecodeSession(model, max_cache_len=20, batch_size=2)
     expected = [plain.prefill(input_ids, attention_mask).tolist()] + [plain.decode_step().tolist() for _ in range(3)]
 
-    def no_drafts(history, lengths, num_draft, max_ngram):
+    def no_drafts(history, lengths, num_draft, max_ngram, min_ngram):
         return torch.zeros(history.shape[0], num_draft, dtype=torch.long, device=history.device), lengths < 0
 
     monkeypatch.setattr(decode_session, "propose_from_history", no_drafts)

@@ -73,7 +73,9 @@ class VerifyCounter:
         FlashCoreCache.crop = self._crop
 
 
-def session_generate(model, input_ids: torch.Tensor, new_tokens: int, num_draft: int) -> tuple[list[int], dict]:
+def session_generate(
+    model, input_ids: torch.Tensor, new_tokens: int, num_draft: int, min_ngram: int = 1
+) -> tuple[list[int], dict]:
     """``new_tokens`` greedy tokens from a ``DecodeSession``: one at a time (``num_draft`` 0) or by speculative steps.
     Returns the tokens and the verify steps' counts."""
     session = DecodeSession(model, max_cache_len=input_ids.shape[1] + new_tokens + MAX_DRAFT_TOKENS + 1)
@@ -81,7 +83,7 @@ def session_generate(model, input_ids: torch.Tensor, new_tokens: int, num_draft:
     steps = proposed = accepted = 0
     while len(tokens) < new_tokens:
         if num_draft:
-            picks, counts = session.speculative_step(num_draft)
+            picks, counts = session.speculative_step(num_draft, min_ngram=min_ngram)
             count = int(counts[0])
             tokens += picks[0, :count].tolist()
             if picks.shape[1] > 1:  # a verify step (the others are plain steps: no draft, or speculation paused)
@@ -97,6 +99,9 @@ def main() -> None:
     parser.add_argument("--k", default="2,4", help="comma-separated draft lengths for prompt lookup")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--min-ngrams", default="1", help="comma-separated min_ngram values for the session's speculative steps"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -111,7 +116,12 @@ def main() -> None:
     variants = {"no speculation": {}}
     variants |= {f"prompt lookup k={k}": {"prompt_lookup_num_tokens": int(k)} for k in args.k.split(",")}
     variants |= {"session": {"num_draft": 0}}
-    variants |= {f"session speculative k={k}": {"num_draft": int(k)} for k in args.k.split(",")}
+    for min_ngram in (int(m) for m in args.min_ngrams.split(",")):
+        suffix = "" if min_ngram == 1 else f" min_ngram={min_ngram}"
+        variants |= {
+            f"session speculative k={k}{suffix}": {"num_draft": int(k), "min_ngram": min_ngram}
+            for k in args.k.split(",")
+        }
     rows = []
     for workload, question in WORKLOADS.items():
         text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
@@ -125,8 +135,10 @@ def main() -> None:
             for name in order:
                 if name.startswith("session"):
                     started = time.perf_counter()
-                    tokens[name], counts[name] = session_generate(model, inputs["input_ids"], args.new_tokens,
-                                                                  variants[name]["num_draft"])  # fmt: skip
+                    tokens[name], counts[name] = session_generate(
+                        model, inputs["input_ids"], args.new_tokens, variants[name]["num_draft"],
+                        variants[name].get("min_ngram", 1),
+                    )  # fmt: skip
                     elapsed = time.perf_counter() - started
                 else:
                     with VerifyCounter() as counter, torch.no_grad():

@@ -15,7 +15,9 @@ Model: ``bench_generate``'s (the Llama-3.2-1B shape, bf16, random weights), prom
   failed drafts, and every step while no row has a draft).
 
 Each figure is the median over ``--trials`` of CUDA-event timings of ``--replays`` back-to-back replays (the
-device's time per step; the context grows by the tokens kept, from 512 up to a few hundred more). Then the host's
+device's time per step; the context grows by the tokens kept, from 512 up to a few hundred more); for each k the
+decode, verify and proposing plain steps are timed in turn within each trial, and the ratios use the decode time
+measured next to them. Then the host's
 view: the wall time of one ``speculative_step(k)`` call (replay plus its one host read) against one ``decode_step``
 followed by reading its token, medians over ``--calls`` calls.
 
@@ -38,6 +40,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from bench_generate import build_config, build_model  # noqa: E402
+
+from flashcore.integrations.decode_session import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM  # noqa: E402
 
 PHRASE_LEN = 16
 
@@ -77,7 +81,8 @@ def main(args: argparse.Namespace) -> None:
         session = new_session(model, batch, prompt, capacity)
         for _ in range(3):  # eager warm-up, capture, one replay
             session.decode_step()
-        decode_graph = session._graphs[("decode",)][0]
+        decode_session = session  # kept alive: its decode graph writes its cache
+        decode_graph = decode_session._graphs[("decode",)][0]
         row = {"batch": batch, "decode_ms": replay_ms(decode_graph, args.replays, args.trials)}
         host = {"decode": []}
         for _ in range(args.calls):
@@ -87,9 +92,9 @@ def main(args: argparse.Namespace) -> None:
         row["decode_call_ms"] = statistics.median(host["decode"])
         for num_draft in args.drafts:
             session = new_session(model, batch, prompt, capacity)
-            key = ("verify", num_draft, 3)
+            key = ("verify", num_draft, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM)
             kept = []
-            plain_key = ("plain", num_draft, 3)
+            plain_key = ("plain", num_draft, DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM)
             for _ in range(200):  # until the verify step and the proposing plain step both replay graphs
                 if key in session.captured_steps and plain_key in session.captured_steps:
                     break
@@ -102,18 +107,29 @@ def main(args: argparse.Namespace) -> None:
                 calls.append(1e3 * (time.perf_counter() - started))
                 if tokens.shape[1] > 1:
                     kept += (counts - 1).tolist()
-            graph = session._graphs[key][0]
-            row[f"verify_{num_draft}_ms"] = verify_ms = replay_ms(graph, args.replays, args.trials)
-            row[f"verify_{num_draft}_over_decode"] = verify_ms / row["decode_ms"]
+            # Decode, verify and the proposing plain step timed in turn, trial by trial: a drift of the GPU's clocks
+            # reaches all three (an earlier run timed decode once per B and read the later k's as slower).
+            graphs = {"decode": decode_graph, "verify": session._graphs[key][0]}
+            if plain_key in session.captured_steps:
+                graphs["plain_propose"] = session._graphs[plain_key][0]
+            timed = {name: [] for name in graphs}
+            for _ in range(args.trials):
+                for name, graph in graphs.items():
+                    timed[name].append(replay_ms(graph, args.replays, 1))
+            decode_ms = statistics.median(timed["decode"])
+            row[f"decode_next_to_{num_draft}_ms"] = decode_ms
+            row[f"verify_{num_draft}_ms"] = verify_ms = statistics.median(timed["verify"])
+            row[f"verify_{num_draft}_over_decode"] = verify_ms / decode_ms
             row[f"verify_{num_draft}_call_ms"] = statistics.median(calls)
             row[f"verify_{num_draft}_mean_kept_random_weights"] = statistics.mean(kept) if kept else None
-            if plain_key in session.captured_steps:
-                plain_ms = replay_ms(session._graphs[plain_key][0], args.replays, args.trials)
+            if "plain_propose" in timed:
+                plain_ms = statistics.median(timed["plain_propose"])
                 row[f"plain_propose_{num_draft}_ms"] = plain_ms
-                row[f"plain_propose_{num_draft}_over_decode"] = plain_ms / row["decode_ms"]
+                row[f"plain_propose_{num_draft}_over_decode"] = plain_ms / decode_ms
+            call_ms = row[f"verify_{num_draft}_call_ms"]
             print(
-                f"B={batch:<3} k={num_draft}: verify {verify_ms:.3f} ms = {verify_ms / row['decode_ms']:.3f}x decode "
-                f"({row['decode_ms']:.3f} ms); per call {row[f'verify_{num_draft}_call_ms']:.3f} ms against "
+                f"B={batch:<3} k={num_draft}: verify {verify_ms:.3f} ms = {verify_ms / decode_ms:.3f}x decode "
+                f"({decode_ms:.3f} ms, timed in turn with it); per call {call_ms:.3f} ms against "
                 f"{row['decode_call_ms']:.3f} ms; a plain step that proposes "
                 f"{row.get(f'plain_propose_{num_draft}_over_decode', float('nan')):.3f}x decode",
                 flush=True,

@@ -1,5 +1,5 @@
 """Prompt lookup's draft proposal in one launch: one program per row scans its text for the latest earlier occurrence
-of its last n tokens (n from ``MAX_NGRAM`` down to 1) and copies what followed.
+of its last n tokens (n from ``MAX_NGRAM`` down to ``MIN_NGRAM``) and copies what followed.
 
 The same result as the torch version in ``flashcore.integrations.prompt_lookup`` (which defines it and runs off
 CUDA), without its ~40 small kernels per call: in a captured speculative step those cost about 0.1-0.3 ms on the
@@ -21,6 +21,7 @@ def _prompt_lookup_kernel(
     NUM_DRAFT: tl.constexpr,
     DRAFT_PAD: tl.constexpr,  # NUM_DRAFT rounded up to a power of two
     MAX_NGRAM: tl.constexpr,
+    MIN_NGRAM: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -28,7 +29,7 @@ def _prompt_lookup_kernel(
     length = tl.load(lengths_ptr + row)
     last = tl.load(text + length - 1)
     best_start = tl.full((), -1, tl.int64)
-    for ngram in tl.static_range(MAX_NGRAM, 0, -1):
+    for ngram in tl.static_range(MAX_NGRAM, MIN_NGRAM - 1, -1):
         # Window p matches when text[p + i] == text[length - ngram + i] for every i < ngram, and a token follows it
         # before the suffix starts over itself: p + ngram < length.
         latest = tl.full((), -1, tl.int64)
@@ -50,7 +51,7 @@ def _prompt_lookup_kernel(
     tl.store(has_draft_ptr + row, (best_start >= 0).to(tl.int8))
 
 
-def propose(history: torch.Tensor, lengths: torch.Tensor, num_draft: int, max_ngram: int):
+def propose(history: torch.Tensor, lengths: torch.Tensor, num_draft: int, max_ngram: int, min_ngram: int = 1):
     """``(drafts [B, num_draft] int64, has_draft [B] bool)``, as ``propose_from_history`` defines them, for a
     contiguous int64 ``history [B, W]`` and int64 ``lengths [B]`` (each at least 1) on a CUDA device (or the CPU
     under ``TRITON_INTERPRET=1``). Allocates its outputs; safe under CUDA-graph capture."""
@@ -67,6 +68,7 @@ def propose(history: torch.Tensor, lengths: torch.Tensor, num_draft: int, max_ng
             NUM_DRAFT=num_draft,
             DRAFT_PAD=triton.next_power_of_2(num_draft),
             MAX_NGRAM=min(max_ngram, width - 1),
+            MIN_NGRAM=min_ngram,
             BLOCK=1024,
         )
     return drafts, has_draft.bool()
