@@ -89,3 +89,30 @@ def test_crop_rolls_back_every_layer_and_the_logical_length(model, generator, de
     assert all(torch.equal(layer.seq_lens, saved) for layer, saved in zip(cache.layers, before, strict=True))
     assert int(cache.get_seq_length()) == 5
     remove_flashcore(model)
+
+
+@pytest.mark.parametrize("assistant", ["prompt_lookup", "draft_model"])
+@torch.no_grad()
+def test_assisted_batch_is_refused_as_stock_refuses_it(model, assistant, generator, device, request):
+    """transformers runs assisted generation at batch size 1 only: a left-padded batch gets stock's own error on
+    flashcore too, before the cache is touched (the session's speculative step takes batches:
+    test_decode_session.py)."""
+    ids = torch.cat([repetitive_prompt(generator, device)] * 2)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    if assistant == "prompt_lookup":
+        options = dict(prompt_lookup_num_tokens=3)
+    else:
+        draft = tiny_llama("gqa", seed_of(request) + 1, device)
+        draft.generation_config.disable_compile = True
+        options = dict(assistant_model=draft)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, **options)
+    with pytest.raises(ValueError) as stock_error:
+        model.generate(ids, **kwargs)
+    apply_flashcore_to_llama(model)
+    try:
+        with pytest.raises(ValueError) as flashcore_error:
+            model.generate(ids, **kwargs)
+    finally:
+        remove_flashcore(model)
+    assert str(flashcore_error.value) == str(stock_error.value) and "batch" in str(stock_error.value)
