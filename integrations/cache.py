@@ -57,8 +57,9 @@ class FlashCoreLayer(CacheLayerMixin):
         batch_size, num_kv_heads, _, head_dim = key_states.shape
         if (num_kv_heads, head_dim) != (self.num_kv_heads, self.head_dim):
             raise ValueError(
-                f"FlashCoreCache was built for {self.num_kv_heads} KV heads of dim {self.head_dim} (from the config) "
-                f"but got key states {tuple(key_states.shape)}; build the cache from this model's config"
+                f"FlashCoreCache was built for {self.num_kv_heads} KV heads of dim {self.head_dim} (the config's, over "
+                f"tp_size) but got key states {tuple(key_states.shape)}; build the cache from this model's config, "
+                f"with tp_size=<the tensor-parallel degree> for a model loaded with a tp_plan"
             )
         self.batch_size, self.dtype, self.device = batch_size, key_states.dtype, key_states.device
         self.keys, self.values, self.seq_lens = allocate_kv_cache(
@@ -149,6 +150,9 @@ class FlashCoreCache(Cache):
         dtype: element type of K and V; None takes it from the first update.
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` for the launches on this cache; None (default) uses the
             backend given to ``apply_flashcore_to_llama``.
+        tp_size: the tensor-parallel degree of a model loaded with transformers' ``tp_plan``, whose attention sees
+            ``num_key_value_heads / tp_size`` KV heads on each rank: each rank's cache holds those. None: the
+            model's ``tp_size`` where ``generate`` or ``DecodeSession`` builds the cache, else 1.
     """
 
     def __init__(
@@ -160,6 +164,7 @@ class FlashCoreCache(Cache):
         device: DeviceLike | Sequence[DeviceLike] | None = None,
         dtype: torch.dtype | None = None,
         backend: str | None = None,
+        tp_size: int | None = None,
     ) -> None:
         text_config = config.get_text_config(decoder=True)
         missing = [name for name in _LLAMA_CONFIG_FIELDS if getattr(text_config, name, None) is None]
@@ -177,9 +182,9 @@ class FlashCoreCache(Cache):
             raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
         num_layers = text_config.num_hidden_layers
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        num_kv_heads = _local_kv_heads(text_config.num_key_value_heads, tp_size)
         layers = [
-            FlashCoreLayer(max_cache_len, num_kv_heads=text_config.num_key_value_heads, head_dim=head_dim)
-            for _ in range(num_layers)
+            FlashCoreLayer(max_cache_len, num_kv_heads=num_kv_heads, head_dim=head_dim) for _ in range(num_layers)
         ]
         super().__init__(layers=layers)
         self._max_cache_len = max_cache_len
@@ -197,7 +202,6 @@ class FlashCoreCache(Cache):
         self.in_patched_forward = False
         self.backend = backend
         if max_batch_size is not None and dtype is not None and device is not None:
-            num_kv_heads = text_config.num_key_value_heads
             for layer_idx, layer_device in enumerate(self._devices):
                 empty = torch.empty((max_batch_size, num_kv_heads, 0, head_dim), dtype=dtype, device=layer_device)
                 self._allocate_layer(layer_idx, empty)
@@ -412,6 +416,16 @@ def _is_same_device(expected: torch.device, got: torch.device) -> bool:
         return False
     # "cuda" means the current CUDA device, whichever index that is.
     return expected.index is None or expected.index == (got.index if got.index is not None else 0)
+
+
+def _local_kv_heads(num_kv_heads: int, tp_size: int | None) -> int:
+    """The KV heads one tensor-parallel rank holds: transformers shards the K/V projections by heads."""
+    tp_size = 1 if tp_size is None else tp_size
+    if not isinstance(tp_size, int) or tp_size < 1 or num_kv_heads % tp_size:
+        raise ValueError(
+            f"tp_size must be a positive int that divides num_key_value_heads={num_kv_heads}, got {tp_size!r}"
+        )
+    return num_kv_heads // tp_size
 
 
 def _per_layer_devices(device, num_layers: int) -> list[torch.device | None]:

@@ -24,7 +24,12 @@ from __future__ import annotations
 import torch
 
 from flashcore.integrations.cache import FlashCoreCache
-from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, apply_flashcore_to_llama, flashcore_options
+from flashcore.integrations.llama import (
+    CACHE_ARGUMENT_NAME,
+    apply_flashcore_to_llama,
+    flashcore_options,
+    model_tp_size,
+)
 from flashcore.integrations.prompt_lookup import propose_from_history
 
 MAX_DRAFT_TOKENS = 16  # per speculative step
@@ -88,7 +93,12 @@ class DecodeSession:
             raise ValueError(f"use_cuda_graph=True needs the model on CUDA, it is on {device}")
         self.temperature = temperature
         self.cache = FlashCoreCache(
-            model.config, max_cache_len, max_batch_size=batch_size, device=device, dtype=model.dtype
+            model.config,
+            max_cache_len,
+            max_batch_size=batch_size,
+            device=device,
+            dtype=model.dtype,
+            tp_size=model_tp_size(model),
         )
         self.token = torch.zeros(batch_size, dtype=torch.long, device=device)
         # Each row's text so far (its prompt's real tokens, then every selected token), for prompt lookup's drafts.

@@ -177,6 +177,12 @@ def apply_flashcore_to_llama(
     return model
 
 
+def model_tp_size(model: torch.nn.Module) -> int:
+    """The tensor-parallel degree transformers loaded ``model`` with (``tp_plan``; 1 without), which sets the KV heads
+    a ``FlashCoreCache`` holds on each rank."""
+    return getattr(model, "tp_size", None) or 1
+
+
 def flashcore_options(model: PreTrainedModel) -> dict[str, Any] | None:
     """The keyword arguments of the last :func:`apply_flashcore_to_llama` call on ``model`` (None if unpatched)."""
     state = model.__dict__.get("_flashcore_state")
@@ -227,7 +233,7 @@ def _patch(model: PreTrainedModel, decoder: torch.nn.Module, backend: str) -> _F
         kwargs["flashcore_backend"] = state.backend
         cache = kwargs.get(CACHE_ARGUMENT_NAME)
         if cache is None:
-            cache = kwargs[CACHE_ARGUMENT_NAME] = _cache_for_forward(module, args, kwargs)
+            cache = kwargs[CACHE_ARGUMENT_NAME] = _cache_for_forward(module, args, kwargs, model_tp_size(model))
         elif not isinstance(cache, FlashCoreCache):
             raise TypeError(_WRONG_CACHE.format(type(cache).__name__))
         if cache is not None and not is_capturing_or_tracing():
@@ -242,7 +248,7 @@ def _patch(model: PreTrainedModel, decoder: torch.nn.Module, backend: str) -> _F
     return state
 
 
-def _cache_for_forward(module, args, kwargs) -> FlashCoreCache | None:
+def _cache_for_forward(module, args, kwargs, tp_size: int) -> FlashCoreCache | None:
     """What the DynamicCache transformers builds for a ``use_cache`` forward without a cache would hold: exactly
     these tokens. A continuation needs a FlashCoreCache with room for it, and the cache says so if it is too small."""
     use_cache = kwargs.get("use_cache")
@@ -253,7 +259,7 @@ def _cache_for_forward(module, args, kwargs) -> FlashCoreCache | None:
         inputs = args[0]
     if not isinstance(inputs, torch.Tensor):
         return None  # the model itself reports the missing input
-    return FlashCoreCache(module.config, max_cache_len=inputs.shape[1])
+    return FlashCoreCache(module.config, max_cache_len=inputs.shape[1], tp_size=tp_size)
 
 
 _WRONG_CACHE = (
@@ -329,6 +335,8 @@ def _make_prepare_cache_for_generation(model, state: _FlashCoreState):
             )
         # Never smaller than last call's: a compiled decode step stays valid (the same rule as StaticCache).
         state.previous_max_cache_len = max(max_cache_length, state.previous_max_cache_len)
-        model_kwargs[CACHE_ARGUMENT_NAME] = FlashCoreCache(model.config, max_cache_len=state.previous_max_cache_len)
+        model_kwargs[CACHE_ARGUMENT_NAME] = FlashCoreCache(
+            model.config, max_cache_len=state.previous_max_cache_len, tp_size=model_tp_size(model)
+        )
 
     return prepare_flashcore_cache
