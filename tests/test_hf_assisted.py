@@ -24,6 +24,15 @@ def repetitive_prompt(generator: torch.Generator, device) -> torch.Tensor:
     return torch.cat([phrase, phrase, phrase[:, :6]], dim=1).to(device)
 
 
+def assistant_options(assistant: str, draft_seed: int, device) -> dict:
+    """``generate``'s options for prompt lookup (3 tokens), or for a draft model (a tiny random one)."""
+    if assistant == "prompt_lookup":
+        return dict(prompt_lookup_num_tokens=3)
+    draft = tiny_llama("gqa", draft_seed, device)
+    draft.generation_config.disable_compile = True
+    return dict(assistant_model=draft)
+
+
 @pytest.mark.parametrize("backend, max_new_tokens", [("torch", 24), ("triton", 6)])
 @pytest.mark.parametrize("assistant", ["prompt_lookup", "draft_model"])
 @torch.no_grad()
@@ -31,12 +40,7 @@ def test_assisted_greedy_matches_stock(
     model, assistant, backend, max_new_tokens, generator, device, request, monkeypatch
 ):
     ids = repetitive_prompt(generator, device)
-    if assistant == "prompt_lookup":
-        options = dict(prompt_lookup_num_tokens=3)
-    else:
-        draft = tiny_llama("gqa", seed_of(request) + 1, device)
-        draft.generation_config.disable_compile = True
-        options = dict(assistant_model=draft)
+    options = assistant_options(assistant, seed_of(request) + 1, device)
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, **options)
     expected = model.generate(ids, **kwargs)
     removed = []
@@ -100,13 +104,8 @@ def test_assisted_batch_is_refused_as_stock_refuses_it(model, assistant, generat
     ids = torch.cat([repetitive_prompt(generator, device)] * 2)
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
-    if assistant == "prompt_lookup":
-        options = dict(prompt_lookup_num_tokens=3)
-    else:
-        draft = tiny_llama("gqa", seed_of(request) + 1, device)
-        draft.generation_config.disable_compile = True
-        options = dict(assistant_model=draft)
-    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, **options)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
+    kwargs |= assistant_options(assistant, seed_of(request) + 1, device)
     with pytest.raises(ValueError) as stock_error:
         model.generate(ids, **kwargs)
     apply_flashcore_to_llama(model)
