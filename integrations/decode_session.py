@@ -124,7 +124,7 @@ class DecodeSession:
         # The drafts for the next speculative step, proposed at the end of the step before it (inside its graph), and
         # the settings they were proposed for (None: stale, after prefill, decode_step or reset).
         self._drafts = torch.zeros(batch_size, MAX_DRAFT_TOKENS, dtype=torch.long, device=device)
-        self._drafts_for: tuple[int, int] | None = None
+        self._drafts_for: tuple[int, int, int] | None = None  # (num_draft, max_ngram, min_ngram)
         self._any_draft = False  # whether some row has a draft in self._drafts, as the last step's host read said
 
     @torch.inference_mode()

@@ -27,9 +27,9 @@ def propose_from_history(
         min_ngram: the shortest (vLLM's ``prompt_lookup_min``): a row whose last ``min_ngram`` tokens never occurred
             before has no draft.
 
-    A row with no earlier occurrence of even its last token gets copies of that token: a draft that the verify
-    step rejects at no extra cost, since every row of the batch is verified anyway. Positions past a row's text are
-    never proposed (a continuation is cut at ``lengths[b]`` and padded with the row's last token).
+    A row with no match (no earlier occurrence of even its last ``min_ngram`` tokens) gets copies of its last token: a
+    draft that the verify step rejects at no extra cost, since every row of the batch is verified anyway. Positions past
+    a row's text are never proposed (a continuation is cut at ``lengths[b]`` and padded with the row's last token).
 
     On CUDA one Triton launch computes it (``flashcore/kernels/triton/prompt_lookup.py``, tested against this
     function's torch code, which runs everywhere else and defines the result).

@@ -42,7 +42,6 @@ def save_tiny_llama(folder: Path, seed: int) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="torchrun with gloo over localhost, as CI runs it")
 def test_two_rank_tensor_parallel_matches_one_process(tmp_path, generator, request):
     model = save_tiny_llama(tmp_path, seed_of(request))
     input_ids = torch.randint(3, 256, (2, 12), generator=generator)
