@@ -331,7 +331,9 @@ class FlashCoreCache(Cache):
         no longer share one (``crop`` moves it for a count common to every row)."""
         layers = [layer for layer in self.layers if layer.is_initialized]
         for index, layer in enumerate(layers):
-            rollback((layer.keys, layer.values, layer.seq_lens), num_tokens, check=check if index == 0 else False)
+            # Under device_map the layers live on several devices; .to is free where the counts are already there.
+            counts = num_tokens.to(layer.seq_lens.device) if isinstance(num_tokens, torch.Tensor) else num_tokens
+            rollback((layer.keys, layer.values, layer.seq_lens), counts, check=check if index == 0 else False)
 
     def reset(self) -> None:
         """Empties every row in place; see ``FlashCoreLayer.reset``."""

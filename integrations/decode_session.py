@@ -28,6 +28,7 @@ from flashcore.integrations.llama import (
     CACHE_ARGUMENT_NAME,
     apply_flashcore_to_llama,
     flashcore_options,
+    model_layer_devices,
     model_tp_size,
 )
 from flashcore.integrations.prompt_lookup import propose_from_history
@@ -50,7 +51,8 @@ class DecodeSession:
             its defaults, or the options already applied, and the two below where given).
         max_cache_len: tokens per row the session's cache can hold (prompt, every turn and every answer).
         batch_size: B.
-        use_cuda_graph: capture the decode step as a CUDA graph (default: when the model is on CUDA).
+        use_cuda_graph: capture the decode step as a CUDA graph (default: when the model is on one CUDA device; a
+            model that ``device_map`` spread over several runs eager steps).
         temperature: 0 for greedy; otherwise Gumbel-max sampling at this temperature, inside the graph.
         compile: run the decode step through ``torch.compile`` (compiled on the first decode step, then captured).
         fuse_projections: ``apply_flashcore_to_llama``'s option of that name, set on the model (in place): one GEMM
@@ -87,8 +89,18 @@ class DecodeSession:
         if layer_kernels is not None:
             options["layer_kernels"] = layer_kernels
         self.model = apply_flashcore_to_llama(model, **options)
-        device = next(model.parameters()).device
-        self.use_cuda_graph = device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
+        # The session's buffers live with the input embeddings; under device_map each layer's cache lives with its
+        # layer, and the logits come back from the last device.
+        device = model.get_input_embeddings().weight.device
+        layer_devices = model_layer_devices(model)
+        one_device = all(layer_device == device for layer_device in layer_devices)
+        self.use_cuda_graph = device.type == "cuda" and one_device if use_cuda_graph is None else use_cuda_graph
+        if self.use_cuda_graph and not one_device:
+            raise ValueError(
+                f"use_cuda_graph=True needs the model on one device, but device_map spread its layers over "
+                f"{sorted({str(d) for d in layer_devices})}: one CUDA graph captures one device's work. Leave "
+                f"use_cuda_graph None (eager steps) for such a model"
+            )
         if self.use_cuda_graph and device.type != "cuda":
             raise ValueError(f"use_cuda_graph=True needs the model on CUDA, it is on {device}")
         self.temperature = temperature
@@ -96,7 +108,7 @@ class DecodeSession:
             model.config,
             max_cache_len,
             max_batch_size=batch_size,
-            device=device,
+            device=layer_devices,
             dtype=model.dtype,
             tp_size=model_tp_size(model),
         )
@@ -322,11 +334,13 @@ class DecodeSession:
         return self._select(logits)
 
     def _select(self, logits: torch.Tensor) -> torch.Tensor:
+        """The ids picked from ``logits``, on the session's device (under device_map the logits come from the
+        last layer's)."""
         if self.temperature == 0:
-            return chunked_argmax(logits)
+            return chunked_argmax(logits).to(self.token.device)
         # Gumbel-max: argmax(logits / T + Gumbel noise) samples softmax(logits / T), with no host sync.
         noise = -torch.log(-torch.log(torch.rand_like(logits, dtype=torch.float32).clamp_(min=1e-20)))
-        return chunked_argmax(logits.float() / self.temperature + noise)
+        return chunked_argmax(logits.float() / self.temperature + noise).to(self.token.device)
 
 
 def _real_tokens_first(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

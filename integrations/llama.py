@@ -183,6 +183,12 @@ def model_tp_size(model: torch.nn.Module) -> int:
     return getattr(model, "tp_size", None) or 1
 
 
+def model_layer_devices(model: torch.nn.Module) -> list[torch.device]:
+    """The device of each decoder layer's weights, where that layer's cache belongs: one device for a model on one
+    device, several under ``device_map`` (accelerate moves the activations from layer to layer)."""
+    return [next(layer.parameters()).device for layer in model.base_model.layers]
+
+
 def flashcore_options(model: PreTrainedModel) -> dict[str, Any] | None:
     """The keyword arguments of the last :func:`apply_flashcore_to_llama` call on ``model`` (None if unpatched)."""
     state = model.__dict__.get("_flashcore_state")
