@@ -40,7 +40,8 @@ from pathlib import Path
 import harness
 import torch
 
-ROLES = ("one_gpu", "tp", "device_map")
+# Eager steps first, then the graph-replayed ones (device_map has none: one CUDA graph captures one device's work).
+ROLES = ("one_gpu", "device_map", "tp", "one_gpu_graph", "tp_graph")
 PROMPT_LEN, NEW_TOKENS, TOKEN_ROWS = 512, 64, 16
 TIMED_STEPS, TIMINGS, WARM_STEPS = 64, 5, 8
 MAX_CACHE_LEN = 1024  # prompt + warm-up + the timed steps of every timing
@@ -63,16 +64,21 @@ def load(folder: Path, role: str, dtype: torch.dtype, dry_run: bool):
     return model
 
 
-def session_tokens(model, input_ids: torch.Tensor, new_tokens: int) -> list:
+def session_tokens(model, input_ids: torch.Tensor, new_tokens: int, use_cuda_graph: bool) -> list:
     from flashcore.integrations.decode_session import DecodeSession
 
-    session = DecodeSession(model, max_cache_len=input_ids.shape[1] + new_tokens, batch_size=input_ids.shape[0])
+    session = DecodeSession(
+        model,
+        max_cache_len=input_ids.shape[1] + new_tokens,
+        batch_size=input_ids.shape[0],
+        use_cuda_graph=use_cuda_graph,
+    )
     tokens = [session.prefill(input_ids).clone()]
     tokens += [session.decode_step().clone() for _ in range(new_tokens - 1)]
     return torch.stack(tokens, dim=1).tolist()
 
 
-def token_runs(model, input_ids: torch.Tensor, new_tokens: int) -> dict:
+def token_runs(model, input_ids: torch.Tensor, new_tokens: int, use_cuda_graph: bool) -> dict:
     from flashcore.integrations.llama import apply_flashcore_to_llama, remove_flashcore
 
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False)
@@ -84,7 +90,7 @@ def token_runs(model, input_ids: torch.Tensor, new_tokens: int) -> dict:
     return {
         "stock": stock[:, prompt:].tolist(),
         "flashcore": flashcore[:, prompt:].tolist(),
-        "session": session_tokens(model, input_ids, new_tokens),
+        "session": session_tokens(model, input_ids, new_tokens, use_cuda_graph),
     }
 
 
@@ -121,38 +127,42 @@ def time_steps(model, input_ids: torch.Tensor, use_cuda_graph: bool) -> dict:
 
 
 def worker(role: str, folder: Path, out: Path, dry_run: bool) -> None:
+    """One process's share of a role (each rank's under ``torchrun``). A ``*_graph`` role replays CUDA graphs: it
+    runs last and alone, so that a capture that fails or hangs costs only itself."""
     import torch.distributed as dist
 
+    started = time.perf_counter()
+    load_role = role.removesuffix("_graph")
+    use_cuda_graph = role.endswith("_graph")
+    stages = {}
+
+    def stage(name: str) -> None:
+        stages[name] = round(time.perf_counter() - started, 1)
+        print(f"[{role} rank {os.environ.get('RANK', 0)}] {name} at {stages[name]}s", file=sys.stderr, flush=True)
+
     inputs = torch.tensor(json.loads((folder / "inputs.json").read_text()))
-    result: dict = {"role": role, "errors": {}}
-    model = load(folder, role, torch.float32 if dry_run else torch.bfloat16, dry_run)
+    result: dict = {"role": role, "stages": stages}
+    model = load(folder, load_role, torch.float32 if dry_run else torch.bfloat16, dry_run)
+    stage("loaded")
     device = model.get_input_embeddings().weight.device
-    inputs = inputs.to(device)
+    inputs = inputs[:, :PROMPT_LEN].to(device)
     result.update(device=str(device), tp_size=getattr(model, "tp_size", None) or 1)
     result["hf_device_map"] = getattr(model, "hf_device_map", None)
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name(device)
-    steps = []
     with torch.inference_mode():
-        result["bf16"] = token_runs(model, inputs[:, :PROMPT_LEN], NEW_TOKENS)
-        graph_modes = [False] + ([True] if role != "device_map" and device.type == "cuda" else [])
-        # Eager steps first: a capture that failed could leave the process unable to go on.
-        for use_cuda_graph in graph_modes:
-            for batch in (1, TOKEN_ROWS):
-                try:
-                    steps.append(time_steps(model, inputs[:batch, :PROMPT_LEN], use_cuda_graph))
-                except Exception as error:  # noqa: BLE001  (recorded; the other measurements go on)
-                    result["errors"][f"steps graph={use_cuda_graph} B={batch}"] = f"{type(error).__name__}: {error}"
-            if not use_cuda_graph:  # the fp32 tokens before any capture, for the same reason
-                del model
-                fp32 = load(folder, role, torch.float32, dry_run)
-                result["fp32"] = token_runs(fp32, inputs[:, :PROMPT_LEN], NEW_TOKENS)
-                del fp32
-                model = load(folder, role, torch.float32 if dry_run else torch.bfloat16, dry_run)
-    result["steps"] = steps
-    if role != "tp" or dist.get_rank() == 0:
+        result["bf16"] = token_runs(model, inputs, NEW_TOKENS, use_cuda_graph)
+        stage("bf16 tokens")
+        result["steps"] = [time_steps(model, inputs[:batch], use_cuda_graph) for batch in (1, TOKEN_ROWS)]
+        stage("timed steps")
+        if not use_cuda_graph:
+            del model
+            fp32 = load(folder, load_role, torch.float32, dry_run)
+            result["fp32"] = token_runs(fp32, inputs, NEW_TOKENS, use_cuda_graph)
+            stage("fp32 tokens")
+    if load_role != "tp" or dist.get_rank() == 0:
         out.write_text(json.dumps(result))
-    if role == "tp":
+    if load_role == "tp":
         dist.barrier()
 
 
@@ -173,25 +183,31 @@ def save_model(folder: Path, dry_run: bool) -> dict:
             "weight_bytes": weight_bytes}  # fmt: skip
 
 
-def run_role(role: str, folder: Path, work: Path, dry_run: bool, timeout_s: float) -> dict:
+def run_role(role: str, folder: Path, work: Path, log_dir: Path, dry_run: bool, timeout_s: float) -> dict:
     out = work / f"{role}.json"
     script = [str(Path(__file__).resolve()), "--worker", role, "--folder", str(folder), "--worker-out", str(out)]
     script += ["--dry-run"] if dry_run else []
-    if role == "tp":
+    if role.startswith("tp"):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script]
     else:
         command = [sys.executable, *script]
     env = dict(os.environ)
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared GPUs)
-    if role == "one_gpu":
+    if role.startswith("one_gpu"):
         env["CUDA_VISIBLE_DEVICES"] = "0"
     started = time.perf_counter()
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+    log_path = log_dir / f"bench_multi_gpu_{role}.log"
+    with open(log_path, "w") as log_file:
+        try:
+            returncode = subprocess.run(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, timeout=timeout_s)
+            returncode = returncode.returncode
+        except subprocess.TimeoutExpired:
+            returncode = "timeout"
     wall_s = round(time.perf_counter() - started, 1)
-    if proc.returncode != 0 or not out.exists():
-        harness.log(proc.stdout[-2000:] + proc.stderr[-6000:])
-        return {"role": role, "status": "error", "returncode": proc.returncode, "stderr": proc.stderr[-6000:],
-                "wall_s": wall_s}  # fmt: skip
+    if returncode != 0 or not out.exists():
+        tail = log_path.read_text()[-6000:]
+        harness.log(tail)
+        return {"role": role, "status": "error", "returncode": returncode, "log_tail": tail, "wall_s": wall_s}
     result = json.loads(out.read_text())
     result.update(status="ok", wall_s=wall_s)
     return result
@@ -210,7 +226,7 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="result folder (default: $OUT, else benchmarks/results)")
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU (gloo): checks the script only")
-    parser.add_argument("--role-timeout-s", type=float, default=300.0)
+    parser.add_argument("--role-timeout-s", type=float, default=150.0, help="per role; half for a graph role")
     parser.add_argument("--worker", choices=ROLES, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
@@ -228,32 +244,35 @@ def main(argv=None) -> dict:
     json_path = out_dir / "bench_multi_gpu.json"
     payload = {"benchmark": "bench_multi_gpu", "status": "running", "environment": harness.environment(device),
                "settings": settings, "roles": {}}  # fmt: skip
+    roles = [role for role in ROLES if not (args.dry_run and role.endswith("_graph"))]  # no CUDA graphs on the CPU
     with tempfile.TemporaryDirectory() as tmp:
         folder, work = Path(tmp) / "model", Path(tmp)
         payload["model"] = save_model(folder, args.dry_run)
         torch.cuda.empty_cache()
-        for role in ROLES:
+        for role in roles:
             harness.log(f"[{role}]  (t={time.perf_counter() - started:.0f}s)")
-            payload["roles"][role] = run_role(role, folder, work, args.dry_run, args.role_timeout_s)
+            timeout_s = args.role_timeout_s / (2 if role.endswith("_graph") else 1)
+            payload["roles"][role] = run_role(role, folder, work, out_dir, args.dry_run, timeout_s)
             harness.write_json(json_path, payload)
-    reference = payload["roles"]["one_gpu"]
     comparisons = {}
-    for role in ROLES[1:]:
+    for role in roles[1:]:
+        reference = payload["roles"]["one_gpu"]
         result = payload["roles"][role]
         if result["status"] != "ok" or reference["status"] != "ok":
             continue
+        dtypes = ("bf16",) if role.endswith("_graph") else ("bf16", "fp32")
         comparisons[role] = {
             f"{dtype}_{path}": compare(result[dtype][path], reference[dtype][path])
-            for dtype in ("bf16", "fp32")
+            for dtype in dtypes
             for path in ("stock", "flashcore", "session")
         }
     payload["tokens_vs_one_gpu"] = comparisons
-    one = {(s["B"], s["graph"]): s for s in reference.get("steps", [])}
-    for role in ROLES:
+    for role in roles:
+        base_role = payload["roles"]["one_gpu_graph" if role.endswith("_graph") else "one_gpu"]
+        one = {step["B"]: step for step in base_role.get("steps", [])}
         for step in payload["roles"][role].get("steps", []):
-            base = one.get((step["B"], step["graph"]))
-            if base:
-                step["speedup_vs_one_gpu"] = base["ms_per_step"] / step["ms_per_step"]
+            if step["B"] in one:
+                step["speedup_vs_one_gpu"] = one[step["B"]]["ms_per_step"] / step["ms_per_step"]
             speedup = step.get("speedup_vs_one_gpu", float("nan"))
             harness.log(f"  {role} B={step['B']} graph={step['graph']}: {step['ms_per_step']:.3f} ms/step, "
                         f"{step['tok_per_s']:.0f} tok/s, {speedup:.2f}x one GPU")  # fmt: skip
