@@ -8,6 +8,7 @@ HF integration.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -20,6 +21,16 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def triton_interpreter_enabled() -> bool:
     """Whether Triton runs kernels on the CPU (``TRITON_INTERPRET=1``, which must be set before triton is imported)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def on_device_of(tensor: torch.Tensor):
+    """A context in which ``tensor``'s GPU is the current device. Triton launches a kernel on the current device's
+    stream, whatever device its pointers are on: under ``device_map`` a layer on the second GPU would otherwise run
+    on the first one and read the wrong memory. A no-op for a CPU tensor or one already on the current device."""
+    index = tensor.get_device()
+    if index < 0 or index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
 
 
 def is_capturing_or_tracing() -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from flashcore.backends import SUPPORTED_DTYPES, triton_interpreter_enabled
+from flashcore.backends import SUPPORTED_DTYPES, on_device_of, triton_interpreter_enabled
 from flashcore.kernels.triton import layer_kernels
 
 __all__ = ["apply_rotary_embedding", "rms_norm", "silu_and_mul"]
@@ -149,7 +149,8 @@ def _check_like(reference: torch.Tensor, reference_name: str, **tensors: torch.T
 
 @torch.library.custom_op("flashcore::rms_norm", mutates_args=())
 def _rms_norm_op(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return layer_kernels.rms_norm_triton(rows, weight, eps)
+    with on_device_of(rows):
+        return layer_kernels.rms_norm_triton(rows, weight, eps)
 
 
 @_rms_norm_op.register_fake
@@ -159,7 +160,8 @@ def _(rows, weight, eps):
 
 @torch.library.custom_op("flashcore::silu_and_mul", mutates_args=())
 def _silu_and_mul_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return layer_kernels.silu_and_mul_triton(gate, up)
+    with on_device_of(gate):
+        return layer_kernels.silu_and_mul_triton(gate, up)
 
 
 @_silu_and_mul_op.register_fake
@@ -171,7 +173,8 @@ def _(gate, up):
 def _rotary_embedding_op(
     query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return layer_kernels.rotary_embedding_triton(query, key, cos, sin)
+    with on_device_of(query):
+        return layer_kernels.rotary_embedding_triton(query, key, cos, sin)
 
 
 @_rotary_embedding_op.register_fake

@@ -12,7 +12,7 @@ from types import ModuleType
 
 import torch
 
-from flashcore.backends import SUPPORTED_DTYPES, is_capturing_or_tracing, resolve_backend
+from flashcore.backends import SUPPORTED_DTYPES, is_capturing_or_tracing, on_device_of, resolve_backend
 from flashcore.cache import SEQ_LENS_DTYPE, KVCache, allocate_kv_cache
 
 MAX_HEAD_DIM = 256
@@ -172,7 +172,8 @@ def _attention_with_kv_cache_impl(
     call = kernels.KernelCall(
         query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window
     )
-    return kernels.select_kernel(call, backend).run(call)
+    with on_device_of(query):
+        return kernels.select_kernel(call, backend).run(call)
 
 
 @functools.cache

@@ -21,6 +21,8 @@ tokens, and a plain replayed one launches about 24 fewer kernels per layer and i
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from flashcore.integrations.cache import FlashCoreCache
@@ -289,6 +291,10 @@ class DecodeSession:
             return step()
         if entry is _WARM:
             torch.cuda.synchronize()
+            # A dead session is a reference cycle (its compiled step holds it) and keeps its graphs until the cycle
+            # collector runs. Collected during this capture, its graph's teardown would invalidate the capture
+            # (torch.cuda.graph no longer collects by default): collect it now.
+            gc.collect()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 outputs = step()

@@ -3,6 +3,8 @@ same greedy tokens as stock ``generate`` (sdpa, DynamicCache) on the same model,
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from conftest import ON_GPU, TEST_DEVICE
@@ -95,6 +97,34 @@ def test_graph_replayed_session_repeats_eager_generate_in_bf16(device, generator
     # generate's 39 steps, then the session's eager first step and its capture (replays run no Python).
     expected_calls = (new_tokens - 1 + 2) * config.num_hidden_layers if runs_on(device) else 0
     assert kernels_run.count("gluon_sm90.decode") == expected_calls
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs: there are none on the CPU")
+def test_a_dropped_session_is_collected_before_the_next_capture(device, generator, request):
+    """A dropped session lives on as a reference cycle that holds its CUDA graph. Freed by the cycle collector in
+    the middle of another session's capture, it invalidated that capture (seen on the H100: "operation not
+    permitted when stream is capturing"). With thresholds of 1 the collector runs at nearly every allocation, so
+    it would land inside the capture unless the session collects before it captures."""
+    model = tiny_llama("gqa", seed_of(request), device)
+    input_ids, attention_mask = random_prompts([12, 9], generator, device)
+
+    def tokens(session):
+        out = [session.prefill(input_ids, attention_mask).clone()]
+        return torch.stack(out + [session.decode_step().clone() for _ in range(4)], dim=1)
+
+    first = DecodeSession(model, max_cache_len=32, batch_size=2)
+    expected = tokens(first)
+    assert first.captured_steps == [("decode",)]
+    del first
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        second = DecodeSession(model, max_cache_len=32, batch_size=2)
+        got = tokens(second)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert second.captured_steps == [("decode",)]
+    assert torch.equal(got, expected)
 
 
 @pytest.mark.parametrize(

@@ -3,14 +3,16 @@
 A CPU machine has one real device, so two things are tested here: accelerate's dispatch (``device_map`` with its
 hooks, every module on the CPU) leaves flashcore's tokens equal to the undispatched model's, for ``generate`` and a
 ``DecodeSession``; and a model whose second layer sits on the ``meta`` device (a mocked split) gets a cache whose
-layers follow the layers' devices, and a session that refuses one CUDA graph over several devices. The run across
-two GPUs, where activations and cache rows really cross devices, is ``benchmarks/bench_multi_gpu.py``.
+layers follow the layers' devices, and a session that refuses one CUDA graph over several devices. Where
+activations and cache rows really cross devices, on two GPUs, the last test runs (``FLASHCORE_TEST_DEVICE=cuda``),
+and ``benchmarks/bench_multi_gpu.py`` measures a Llama-3.2-1B-shaped model.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ON_GPU
 from hf_models import random_prompts, seed_of, tiny_llama
 
 from flashcore.integrations.cache import FlashCoreCache
@@ -74,3 +76,27 @@ def test_lazy_cache_allocates_each_layer_where_its_keys_are(request):
         other = FlashCoreCache(config, max_cache_len=8, device="cpu")
         other.in_patched_forward = True
         other.update(torch.zeros(1, heads, 3, head_dim, device="meta"), torch.zeros(1, heads, 3, head_dim), 1)
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_layers_on_two_gpus_keep_the_tokens(generator, request):
+    """Layer 0 on the first GPU, layer 1 on the second: flashcore's kernels must launch on each layer's GPU (Triton
+    launches on the current device) and each layer's cache must live there. fp32, so that both runs compute the same
+    bits on the same kernels."""
+    from accelerate import dispatch_model
+
+    model = tiny_llama("gqa", seed_of(request), "cuda:0")
+    split = tiny_llama("gqa", seed_of(request), "cpu")
+    device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
+                  "model.rotary_emb": 1, "lm_head": 1}  # fmt: skip
+    dispatch_model(split, device_map=device_map)
+    assert model_layer_devices(split) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+    input_ids, attention_mask = random_prompts([9, 5], generator, "cuda:0")
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    with torch.no_grad():
+        apply_flashcore_to_llama(model)
+        expected = model.generate(input_ids, **kwargs)[:, input_ids.shape[1] :].tolist()
+        assert session_tokens(model, input_ids, attention_mask) == expected
+        apply_flashcore_to_llama(split)
+        assert split.generate(input_ids, **kwargs)[:, input_ids.shape[1] :].tolist() == expected
+        assert session_tokens(split, input_ids, attention_mask) == expected
