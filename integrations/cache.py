@@ -191,6 +191,12 @@ class FlashCoreCache(Cache):
         self._max_batch_size = max_batch_size
         self._dtype = dtype
         self._devices = _per_layer_devices(device, num_layers)
+        if len(set(self._devices) - {None}) > 1:
+            # A model that device_map spread over several devices: accelerate's hooks between its layers break a
+            # compiled step into pieces, and the eager code between them cannot announce the forward (update()'s
+            # check), so generate must not compile its steps.
+            for layer in layers:
+                layer.is_compileable = False
         # One logical length per device, shared by the layers there: advanced once per forward, not once per layer.
         self._logical_lengths: dict[torch.device, torch.Tensor] = {}
         # The logical length as the host knows it, which bounds every row's seq_lens (a forward adds at most S_q to

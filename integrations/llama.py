@@ -342,7 +342,10 @@ def _make_prepare_cache_for_generation(model, state: _FlashCoreState):
         # Never smaller than last call's: a compiled decode step stays valid (the same rule as StaticCache).
         state.previous_max_cache_len = max(max_cache_length, state.previous_max_cache_len)
         model_kwargs[CACHE_ARGUMENT_NAME] = FlashCoreCache(
-            model.config, max_cache_len=state.previous_max_cache_len, tp_size=model_tp_size(model)
+            model.config,
+            max_cache_len=state.previous_max_cache_len,
+            device=model_layer_devices(model),
+            tp_size=model_tp_size(model),
         )
 
     return prepare_flashcore_cache
