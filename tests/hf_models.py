@@ -76,3 +76,15 @@ def random_prompts(lengths: list[int], generator: torch.Generator, device) -> tu
 
 def seed_of(request) -> int:
     return zlib.crc32(request.node.nodeid.encode())
+
+
+class IdsTokenizer:
+    """A tokenizer for random-weight models: token ids written as text, so stop strings can be tested."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(f"<{token}>" for token in ids)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(part) for part in text.replace("<", " ").replace(">", " ").split()]

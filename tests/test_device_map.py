@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ON_GPU
-from hf_models import random_prompts, seed_of, tiny_llama
+from hf_models import IdsTokenizer, random_prompts, seed_of, tiny_llama
 
+from flashcore.engine import Engine
 from flashcore.integrations.cache import FlashCoreCache
 from flashcore.integrations.decode_session import DecodeSession
 from flashcore.integrations.llama import apply_flashcore_to_llama, model_layer_devices
@@ -59,6 +60,9 @@ def test_cache_and_session_follow_each_layers_device(request):
     assert session.token.device.type == "cpu"  # the session's buffers stay with the input embeddings
     with pytest.raises(ValueError, match=r"use_cuda_graph=True needs the model on one device.*\['cpu', 'meta'\]"):
         DecodeSession(model, max_cache_len=16, batch_size=2, use_cuda_graph=True)
+    # The engine's rows share one seq_lens tensor: it takes one device (per tensor-parallel rank) and says so.
+    with pytest.raises(NotImplementedError, match=r"the engine runs a model on one device.*\['cpu', 'meta'\]"):
+        Engine(model, IdsTokenizer())
 
 
 def test_lazy_cache_allocates_each_layer_where_its_keys_are(request):

@@ -14,24 +14,12 @@ import random
 import pytest
 import torch
 from conftest import TEST_DEVICE
-from hf_models import VOCAB_SIZE, tiny_llama
+from hf_models import VOCAB_SIZE, IdsTokenizer, tiny_llama
 
 from flashcore.engine import Engine, EngineError, PromptTooLongError, QueueFullError, SamplingParams
 from flashcore.engine.sampling import filtered_probs
 
 GREEDY = dict(temperature=0)
-
-
-class IdsTokenizer:
-    """A tokenizer for random-weight models: token ids written as text, so stop strings can be tested."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return "".join(f"<{token}>" for token in ids)
-
-    def encode(self, text: str) -> list[int]:
-        return [int(part) for part in text.replace("<", " ").replace(">", " ").split()]
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Tensor parallelism through transformers (``tp_plan="auto"``), two CPU processes over gloo: each rank's
 attention sees half of the heads, and its ``FlashCoreCache`` holds half of the KV heads. The greedy tokens of
-``generate`` and of a ``DecodeSession`` on flashcore equal the single-process run's (issue 30's CPU part; an NCCL run
-on GPUs is the other half)."""
+``generate``, of a ``DecodeSession`` and of the serving engine on flashcore equal the single-process run's (issue
+30's CPU part; ``benchmarks/bench_multi_gpu.py`` is the NCCL run on GPUs)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_models import seed_of
+from tp_worker import engine_tokens
 
 from flashcore.integrations.decode_session import DecodeSession
 from flashcore.integrations.llama import apply_flashcore_to_llama, remove_flashcore
@@ -59,6 +60,7 @@ def test_two_rank_tensor_parallel_matches_one_process(tmp_path, generator, reque
         session = DecodeSession(model, max_cache_len=input_ids.shape[1] + NEW_TOKENS, batch_size=2)
         tokens = [session.prefill(input_ids, attention_mask).clone()]
         tokens += [session.decode_step().clone() for _ in range(NEW_TOKENS - 1)]
+        engine = engine_tokens(model, input_ids, attention_mask, NEW_TOKENS)
         remove_flashcore(model)
     assert flashcore == stock
 
@@ -73,6 +75,7 @@ def test_two_rank_tensor_parallel_matches_one_process(tmp_path, generator, reque
     assert ranks["stock"] == stock, "transformers' own tensor-parallel run left the single process's tokens"
     assert ranks["flashcore"] == stock
     assert ranks["session"] == torch.stack(tokens, dim=1).tolist()
+    assert ranks["engine"] == engine
 
 
 def test_tp_size_sets_the_kv_heads_each_rank_holds():

@@ -45,9 +45,19 @@ class EngineCache(FlashCoreCache):
     """A FlashCoreCache of ``num_rows`` rows, all layers allocated up front, stepped by :class:`StepLayout`."""
 
     def __init__(
-        self, config, *, num_rows: int, max_cache_len: int, device: torch.device, dtype: torch.dtype, backend=None
+        self,
+        config,
+        *,
+        num_rows: int,
+        max_cache_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        backend=None,
+        tp_size: int | None = None,
     ) -> None:
-        super().__init__(config, max_cache_len, max_batch_size=num_rows, device=device, dtype=dtype, backend=backend)
+        super().__init__(
+            config, max_cache_len, max_batch_size=num_rows, device=device, dtype=dtype, backend=backend, tp_size=tp_size
+        )
         self.num_rows = num_rows
         self.seq_lens = torch.zeros(len(self.layers), num_rows, dtype=torch.int32, device=device)
         for layer, seq_lens in zip(self.layers, self.seq_lens, strict=True):

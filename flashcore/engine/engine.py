@@ -35,7 +35,12 @@ from flashcore.engine.requests import (
 from flashcore.engine.runner import LaunchedStep, ModelRunner
 from flashcore.engine.scheduler import Request, Scheduler
 from flashcore.engine.stops import take_token
-from flashcore.integrations.llama import apply_flashcore_to_llama, flashcore_options
+from flashcore.integrations.llama import (
+    apply_flashcore_to_llama,
+    flashcore_options,
+    model_layer_devices,
+    model_tp_size,
+)
 
 
 class Engine:
@@ -89,6 +94,12 @@ class Engine:
         self.use_cuda_graph = self.device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
         if self.use_cuda_graph and self.device.type != "cuda":
             raise ValueError(f"use_cuda_graph=True needs the model on CUDA, it is on {self.device}")
+        layer_devices = sorted({str(device) for device in model_layer_devices(model)})
+        if layer_devices != [str(self.device)]:
+            raise NotImplementedError(
+                f"the engine runs a model on one device (or one per tensor-parallel rank), but device_map spread this "
+                f"one over {layer_devices}: load it on one device, or with tp_plan='auto' under torchrun"
+            )
         cache = EngineCache(
             model.config,
             num_rows=max_batch_size,
@@ -96,6 +107,7 @@ class Engine:
             device=self.device,
             dtype=model.dtype,
             backend=backend,
+            tp_size=model_tp_size(model),
         )
         self.runner = ModelRunner(self.model, cache, num_rows=max_batch_size, use_cuda_graph=self.use_cuda_graph)
         self.scheduler = Scheduler(max_batch_size, max_num_tokens)
