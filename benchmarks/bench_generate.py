@@ -27,7 +27,11 @@ Reported per row: tok/s = B * 256 / generate time, ms per step = time / 256 (iss
 included), the decode-only ms per step (time minus a 1-token generate, over 255), and model-bandwidth
 utilisation = (weight bytes + KV bytes read per decode step) / decode step time / 3.0 TB/s. Inductor's
 "skipping cudagraphs" warnings and its cudagraph_skips counter are recorded per path. Greedy tokens are compared
-with the eager path of the same model (issue 5: identical) and with stock eager (reported).
+with the eager path of the same model (issue 5: identical) and with stock eager (reported). Warm-up (issue 29): the
+warm-up generate's total time, and the seconds from its call to each of its first three tokens
+(``warmup_first_tokens_s``: the prefill's token, then the first decode step's, where HF's compile and a compiled
+session's compile happen, then the second's, where a session captures its graph). Paths run in the order above, in
+one process, so a later path finds the Triton kernels an earlier one compiled.
 
     python benchmarks/bench_generate.py --out DIR             # ~5-7 min on an H100, most of it compiling
     TRITON_INTERPRET=1 python benchmarks/bench_generate.py --dry-run --out /tmp/x   # tiny model on the CPU: tests
@@ -66,6 +70,7 @@ PATHS = ("stock_eager", "stock_static_compiled", *FLASHCORE_PATHS)
 # the H100 machine (NOTES.md, entry 40).
 EAGER_PATHS = ("stock_eager", "flashcore_eager", "kernels_eager")
 KV_ELEM_BYTES = 2  # bf16
+WARMUP_STAMPED_TOKENS = 3  # the warm-up's first tokens whose times are recorded
 
 
 def build_config(is_tiny: bool):
@@ -152,6 +157,16 @@ def cudagraph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
+class TokenStamps:
+    """A logits processor (called once per token, after the forward) that stamps the first tokens' times."""
+
+    def __init__(self, runner: Runner, stamps: list):
+        self.runner, self.stamps = runner, stamps
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.runner.stamp(self.stamps, scores)
+
+
 class Runner:
     """Builds the two models once, then runs any (path, batch) pair as one guarded row."""
 
@@ -222,7 +237,9 @@ class Runner:
         self.caches[key] = cache
         return cache
 
-    def generate(self, path: str, batch: int, max_new_tokens: int) -> torch.Tensor:
+    def generate(self, path: str, batch: int, max_new_tokens: int, stamps: list | None = None) -> torch.Tensor:
+        """The path's generate of ``max_new_tokens``; with ``stamps``, the host clock (after a sync) is appended
+        there as each of the first ``WARMUP_STAMPED_TOKENS`` tokens is ready."""
         ids = self.prompts[batch].to(self.device)
         kwargs = dict(
             input_ids=ids,
@@ -230,6 +247,10 @@ class Runner:
             max_new_tokens=max_new_tokens,
             do_sample=False,
         )
+        if stamps is not None and not FLASHCORE_PATHS.get(path, ("", ""))[1].startswith("session"):
+            from transformers import LogitsProcessorList
+
+            kwargs["logits_processor"] = LogitsProcessorList([TokenStamps(self, stamps)])
         if path == "stock_eager":
             return self.stock_model.generate(**kwargs)
         if path == "stock_static_compiled":
@@ -237,13 +258,22 @@ class Runner:
         variant, mode = FLASHCORE_PATHS[path]
         model = self.flashcore(variant)
         if mode.startswith("session"):
-            return self.session_generate(model, ids, max_new_tokens, compile=mode == "session_compiled")
+            return self.session_generate(model, ids, max_new_tokens, compile=mode == "session_compiled", stamps=stamps)
         from flashcore.integrations.llama import CACHE_ARGUMENT_NAME
 
         cache = self.flashcore_cache(path, batch)
         return model.generate(**kwargs, **{CACHE_ARGUMENT_NAME: cache}, disable_compile=mode == "eager")
 
-    def session_generate(self, model, ids: torch.Tensor, max_new_tokens: int, *, compile: bool) -> torch.Tensor:
+    def stamp(self, stamps: list, passthrough=None):
+        """Appends the host clock once the device is done, for the first ``WARMUP_STAMPED_TOKENS`` tokens."""
+        if len(stamps) < WARMUP_STAMPED_TOKENS:
+            self.synchronize()
+            stamps.append(time.perf_counter())
+        return passthrough
+
+    def session_generate(
+        self, model, ids: torch.Tensor, max_new_tokens: int, *, compile: bool, stamps: list | None = None
+    ) -> torch.Tensor:
         """One DecodeSession per (model, batch size, compile), reset between generates: its captured graph is
         reused."""
         from flashcore.integrations.decode_session import DecodeSession
@@ -256,7 +286,12 @@ class Runner:
         session = self.sessions[key]
         session.reset()
         tokens = [session.prefill(ids).clone()]
-        tokens += [session.decode_step().clone() for _ in range(max_new_tokens - 1)]
+        if stamps is not None:
+            self.stamp(stamps)
+        for _ in range(max_new_tokens - 1):
+            tokens.append(session.decode_step().clone())
+            if stamps is not None:
+                self.stamp(stamps)
         return torch.cat([ids, torch.stack(tokens, dim=1)], dim=1)
 
     def timed_generate(self, path: str, batch: int, max_new_tokens: int) -> tuple[float, torch.Tensor]:
@@ -266,12 +301,23 @@ class Runner:
         self.synchronize()
         return time.perf_counter() - started, out
 
+    def warm_up(self, row: dict) -> None:
+        """The row's first generate: its time, and the seconds from its call to each of its first tokens."""
+        stamps: list[float] = []
+        self.synchronize()
+        started = time.perf_counter()
+        self.generate(row["path"], row["B"], self.args.new_tokens, stamps=stamps)
+        self.synchronize()
+        row["warmup_s"] = time.perf_counter() - started
+        row["warmup_first_tokens_s"] = [round(stamp - started, 4) for stamp in stamps]
+        row["warmup_first_token_s"] = row["warmup_first_tokens_s"][0]
+
     def run(self, row: dict) -> None:
         """One row: a warm-up generate, ``n_timed`` timed ones, and a 1-token one for the prefill."""
         path, batch, args = row["path"], row["B"], self.args
         skips_before = cudagraph_skips()
         with WarningCapture() as captured:
-            row["warmup_s"], _ = self.timed_generate(path, batch, args.new_tokens)  # compiles, if it compiles
+            self.warm_up(row)  # compiles, if it compiles
             times = []
             for _ in range(args.n_timed):
                 elapsed, out = self.timed_generate(path, batch, args.new_tokens)
@@ -289,7 +335,7 @@ class Runner:
         args = self.args
         outs = {}
         for row in rows:
-            row["warmup_s"], _ = self.timed_generate(row["path"], row["B"], args.new_tokens)
+            self.warm_up(row)
             row["timing"] = "interleaved with " + ", ".join(other["path"] for other in rows if other is not row)
         times = {id(row): [] for row in rows}
         for round_index in range(args.n_timed):
@@ -380,6 +426,7 @@ COLUMNS = [
     ("decode ms/step", "decode_ms_per_step", ".2f"),
     ("% of 3 TB/s", "bandwidth_util_pct", ".0f"),
     ("warmup s", "warmup_s", ".1f"),
+    ("1st token s", "warmup_first_token_s", ".2f"),
     ("cg skips", "cudagraph_skips", ""),
     ("status", "status", ""),
 ]

@@ -104,22 +104,7 @@ def time_steps(model, input_ids: torch.Tensor, use_cuda_graph: bool) -> dict:
     session.prefill(input_ids)
     for _ in range(WARM_STEPS):  # the eager warm-up and the capture happen here
         session.decode_step()
-    timings = []
-    for _ in range(TIMINGS):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(TIMED_STEPS):
-                session.decode_step()
-            end.record()
-            end.synchronize()
-            timings.append(start.elapsed_time(end) / TIMED_STEPS)
-        else:
-            started = time.perf_counter()
-            for _ in range(TIMED_STEPS):
-                session.decode_step()
-            timings.append(1e3 * (time.perf_counter() - started) / TIMED_STEPS)
+    timings = harness.ms_per_call_repeated(session.decode_step, TIMED_STEPS, TIMINGS)
     ms = statistics.median(timings)
     batch = input_ids.shape[0]
     return {"B": batch, "graph": session.use_cuda_graph, "ms_per_step": ms, "tok_per_s": batch * 1e3 / ms,

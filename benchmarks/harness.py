@@ -357,6 +357,29 @@ def _interleaved_medians(sides: dict, reset: Callable[[], None], sample: Callabl
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def ms_per_call_repeated(call: Callable[[], object], calls: int, trials: int) -> list[float]:
+    """Each of ``trials`` timings of ``calls`` back-to-back calls of ``call``, in ms per call: CUDA events around them
+    on a GPU (the device's time; the calls queue ahead of it), the wall clock on the CPU. For steps that carry their
+    own state (a session's decode step, a graph replay), which the per-call timers above cannot reset."""
+    timings = []
+    for _ in range(trials):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                call()
+            end.record()
+            end.synchronize()
+            timings.append(start.elapsed_time(end) / calls)
+        else:
+            started = time.perf_counter()
+            for _ in range(calls):
+                call()
+            timings.append(1e3 * (time.perf_counter() - started) / calls)
+    return timings
+
+
 def make_timer(device: torch.device, **kwargs) -> CudaTimer | CpuTimer:
     return CudaTimer(device, **kwargs) if device.type == "cuda" else CpuTimer(device, **kwargs)
 

@@ -43,16 +43,7 @@ def timed_session(model, input_ids, in_launch: bool) -> dict:
         tokens += [session.decode_step().clone() for _ in range(31)]  # eager warm-up, capture, replays
     finally:
         split_merge.merges_in_attention_launch = default_policy
-    timings = []
-    for _ in range(TIMINGS):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(REPLAYS):
-            session.decode_step()
-        end.record()
-        end.synchronize()
-        timings.append(1e3 * start.elapsed_time(end) / REPLAYS)
+    timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, REPLAYS, TIMINGS)]
     return {"us_per_step": statistics.median(timings), "timings_us": timings, "tokens": torch.stack(tokens, 1).tolist()}
 
 

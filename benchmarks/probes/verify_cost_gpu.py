@@ -39,6 +39,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import harness  # noqa: E402
 from bench_generate import build_config, build_model  # noqa: E402
 
 from flashcore.integrations.decode_session import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM  # noqa: E402
@@ -48,16 +49,7 @@ PHRASE_LEN = 16
 
 def replay_ms(graph, replays: int, trials: int) -> float:
     """Median over ``trials`` of the device's ms per replay of ``graph`` (CUDA events around ``replays`` replays)."""
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays)
-    return statistics.median(times)
+    return statistics.median(harness.ms_per_call_repeated(graph.replay, replays, trials))
 
 
 def new_session(model, batch: int, prompt: torch.Tensor, capacity: int):
