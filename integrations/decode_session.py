@@ -90,7 +90,7 @@ class DecodeSession:
             options["fuse_projections"] = fuse_projections
         if layer_kernels is not None:
             options["layer_kernels"] = layer_kernels
-        self.model = apply_flashcore_to_llama(model, **options)
+        self.model = apply_flashcore_to_llama(model, **options)  # first: it refuses an unsupported model
         # The session's buffers live with the input embeddings; under device_map each layer's cache lives with its
         # layer, and the logits come back from the last device.
         device = model.get_input_embeddings().weight.device
@@ -102,6 +102,12 @@ class DecodeSession:
                 f"use_cuda_graph=True needs the model on one device, but device_map spread its layers over "
                 f"{sorted({str(d) for d in layer_devices})}: one CUDA graph captures one device's work. Leave "
                 f"use_cuda_graph None (eager steps) for such a model"
+            )
+        if compile and not one_device:
+            raise ValueError(
+                f"compile=True needs the model on one device, but device_map spread its layers over "
+                f"{sorted({str(d) for d in layer_devices})}: accelerate's hooks between devices break the compiled "
+                f"graph. Leave compile False for such a model"
             )
         if self.use_cuda_graph and device.type != "cuda":
             raise ValueError(f"use_cuda_graph=True needs the model on CUDA, it is on {device}")

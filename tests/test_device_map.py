@@ -60,6 +60,8 @@ def test_cache_and_session_follow_each_layers_device(request):
     assert session.token.device.type == "cpu"  # the session's buffers stay with the input embeddings
     with pytest.raises(ValueError, match=r"use_cuda_graph=True needs the model on one device.*\['cpu', 'meta'\]"):
         DecodeSession(model, max_cache_len=16, batch_size=2, use_cuda_graph=True)
+    with pytest.raises(ValueError, match=r"compile=True needs the model on one device.*\['cpu', 'meta'\]"):
+        DecodeSession(model, max_cache_len=16, batch_size=2, compile=True)
     # The engine's rows share one seq_lens tensor: it takes one device (per tensor-parallel rank) and says so.
     with pytest.raises(NotImplementedError, match=r"the engine runs a model on one device.*\['cpu', 'meta'\]"):
         Engine(model, IdsTokenizer())
