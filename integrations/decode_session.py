@@ -297,8 +297,8 @@ class DecodeSession:
             return step()
         if entry is _WARM:
             torch.cuda.synchronize()
-            # A dead session is a reference cycle (its compiled step holds it) and keeps its graphs until the cycle
-            # collector runs. Collected during this capture, its graph's teardown would invalidate the capture
+            # A dropped session is a reference cycle (it holds its own bound step method) and keeps its graphs until
+            # the cycle collector runs. Collected during this capture, its graph's teardown would invalidate the capture
             # (torch.cuda.graph no longer collects by default): collect it now.
             gc.collect()
             graph = torch.cuda.CUDAGraph()
