@@ -173,11 +173,25 @@ def plot_cpu(payload: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_multi_gpu(payload: dict, path: Path) -> None:
+    """Two GPUs: a session's decode step per way of loading the model, B=1 and B=16 (lower is faster)."""
+    plt = _pyplot()
+    rows = readme_tables.multi_gpu_rows(payload)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [label for label, _ in rows]
+    _bars(ax, labels, {f"B={b}": [steps.get(b, {}).get("ms_per_step") for _, steps in rows] for b in (1, 16)}, "ms")
+    ax.set_title(f"Decode step, 1B shape, bf16 - {_subtitle(payload)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 PLOTTERS = {
     "bench_attention": plot_attention,
     "bench_generate": plot_generate,
     "bench_serve": plot_serve,
     "bench_cpu": plot_cpu,
+    "bench_multi_gpu": plot_multi_gpu,
 }
 
 
