@@ -178,8 +178,9 @@ def plot_multi_gpu(payload: dict, path: Path) -> None:
     plt = _pyplot()
     rows = readme_tables.multi_gpu_rows(payload)
     fig, ax = plt.subplots(figsize=(7, 4))
-    labels = [label for label, _ in rows]
+    labels = [label.replace("`", "") for label, _ in rows]
     _bars(ax, labels, {f"B={b}": [steps.get(b, {}).get("ms_per_step") for _, steps in rows] for b in (1, 16)}, "ms")
+    ax.legend(fontsize=8)
     ax.set_title(f"Decode step, 1B shape, bf16 - {_subtitle(payload)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
