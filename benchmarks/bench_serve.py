@@ -257,6 +257,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sections", default="anchor,poisson,decode_64,lone")
     parser.add_argument("--hf-poisson-requests", type=int, default=64, help="requests for hf_continuous (slow)")
     parser.add_argument("--time-budget-s", type=float, default=540.0)
+    parser.add_argument(
+        "--engine-options",
+        default="",
+        help="comma-separated Engine options to turn on: fuse_projections, layer_kernels (default: none)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU: checks the script only")
     args = parser.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
@@ -272,6 +277,10 @@ def main(argv=None) -> dict:
     model = build_model(config, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     engine_model = copy.deepcopy(model)
+    engine_options = {name: True for name in args.engine_options.split(",") if name}
+    unknown = set(engine_options) - {"fuse_projections", "layer_kernels"}
+    if unknown:
+        raise SystemExit(f"--engine-options: unknown {sorted(unknown)}; choose from fuse_projections, layer_kernels")
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     scale = 16 if args.dry_run else 1
     max_cache_len = 2048 + 512 + 8
@@ -279,7 +288,8 @@ def main(argv=None) -> dict:
     def new_engine(rows=args.max_batch_size):
         """A fresh engine (no conversation from an earlier run to reuse), its graphs captured before the clock."""
         engine = Engine(engine_model, NullTokenizer(), max_batch_size=rows, max_cache_len=max_cache_len // scale,
-                        max_queue=1024, max_num_tokens=max(args.max_num_tokens // scale, rows))  # fmt: skip
+                        max_queue=1024, max_num_tokens=max(args.max_num_tokens // scale, rows),
+                        **engine_options)  # fmt: skip
         engine.warm_up()
         return engine
 

@@ -18,6 +18,7 @@ from hf_models import VOCAB_SIZE, IdsTokenizer, tiny_llama
 
 from flashcore.engine import Engine, EngineError, PromptTooLongError, QueueFullError, SamplingParams
 from flashcore.engine.sampling import filtered_probs
+from flashcore.integrations.llama import flashcore_options
 
 GREEDY = dict(temperature=0)
 
@@ -94,6 +95,21 @@ def test_interpreter_mixed_step_matches_stock(models):
         engine.step()
     for index in (0, 1):
         assert got[index] == stock_greedy(stock, prompts[index], len(got[index]))
+
+
+def test_fused_projections_and_layer_kernels_match_stock(models):
+    """The engine's options of DecodeSession's: packed mixed steps (per-token RoPE positions in one [1, T] row) and
+    decode steps through the fused GEMMs and flashcore's layer kernels (interpreted on the CPU) keep stock's tokens."""
+    stock, model = models
+    engine = Engine(model, IdsTokenizer(), max_batch_size=2, max_cache_len=32, max_num_tokens=8, backend="torch",
+                    fuse_projections=True, layer_kernels=True)  # fmt: skip
+    assert flashcore_options(model) == {"backend": "auto", "layer_kernels": True, "fuse_projections": True}
+    rng = random.Random(3)
+    prompts = random_prompts(rng, 3, (3, 10))
+    params = [SamplingParams(max_tokens=3, **GREEDY) for _ in prompts]
+    got = run_staggered(engine, prompts, params, rng)
+    for index, prompt in enumerate(prompts):
+        assert got[index] == stock_greedy(stock, prompt, 3), f"request {index}"
 
 
 def test_next_turn_reuses_the_row(models):

@@ -360,3 +360,24 @@ def test_stream_disconnect_frees_the_row(server):
             assert next(line for line in lines if line.startswith("data: "))
             assert httpx.get(f"{server}/health").json()["running"] == 1
     wait_until_idle(server)
+
+
+def test_layer_options_reach_the_engine(monkeypatch):
+    """``--fuse-projections`` and ``--layer-kernels`` (off by default) become the engine's options of those names."""
+    import flashcore.engine
+    import flashcore.integrations.models
+    from flashcore.serve.cli import main
+
+    class Built(Exception):
+        pass
+
+    def record_engine(model, tokenizer, **kwargs):
+        raise Built(kwargs)
+
+    monkeypatch.setattr(flashcore.integrations.models, "load_model_and_tokenizer", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr(flashcore.engine, "Engine", record_engine)
+    for flags, expected in (([], False), (["--fuse-projections", "--layer-kernels"], True)):
+        with pytest.raises(Built) as built:
+            main(["serve", "--device", "cpu", "--served-model-name", "test", *flags])
+        options = built.value.args[0]
+        assert (options["fuse_projections"], options["layer_kernels"]) == (expected, expected)

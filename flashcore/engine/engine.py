@@ -57,6 +57,10 @@ class Engine:
         use_cuda_graph: replay decode-only steps as CUDA graphs (default: when the model is on CUDA).
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` for the engine's attention launches; None (default) keeps
             the backend the model was patched with (``apply_flashcore_to_llama``'s default: ``"auto"``).
+        fuse_projections, layer_kernels: ``apply_flashcore_to_llama``'s options of those names, set on the model (in
+            place), as :class:`~flashcore.integrations.decode_session.DecodeSession` takes them: one GEMM each for
+            q/k/v and gate/up; the norms, RoPE and SiLU-and-mul on flashcore's Triton kernels (on the CPU they run in
+            Triton's interpreter). None (default) keeps what the model has (off if it is not patched).
     """
 
     def __init__(
@@ -70,6 +74,8 @@ class Engine:
         max_num_tokens: int = 512,
         use_cuda_graph: bool | None = None,
         backend: str | None = None,
+        fuse_projections: bool | None = None,
+        layer_kernels: bool | None = None,
     ) -> None:
         for name, value in (
             ("max_batch_size", max_batch_size),
@@ -84,7 +90,11 @@ class Engine:
                 f"max_num_tokens={max_num_tokens} must be at least max_batch_size={max_batch_size} (every running row "
                 f"feeds one token per step)"
             )
-        self.model = apply_flashcore_to_llama(model, **(flashcore_options(model) or {}))
+        options = flashcore_options(model) or {}
+        for name, value in (("fuse_projections", fuse_projections), ("layer_kernels", layer_kernels)):
+            if value is not None:
+                options[name] = value
+        self.model = apply_flashcore_to_llama(model, **options)
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_cache_len = max_cache_len

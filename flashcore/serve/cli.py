@@ -85,6 +85,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"require 'Authorization: Bearer KEY' on every /v1 request; /health stays open (default: ${API_KEY_ENV})",
     )
     parser.add_argument(
+        "--fuse-projections",
+        action="store_true",
+        help="one GEMM each for q/k/v and gate/up in every layer (apply_flashcore_to_llama's option)",
+    )
+    parser.add_argument(
+        "--layer-kernels",
+        action="store_true",
+        help="RMSNorm, RoPE and SiLU-and-mul on flashcore's Triton kernels (on the CPU: Triton's interpreter, slow)",
+    )
+    parser.add_argument(
         "--no-convert-cache",
         action="store_true",
         help="load a .gguf file itself every time instead of its cached safetensors copy",
@@ -160,6 +170,8 @@ def serve(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         max_num_tokens=args.max_num_tokens,
         backend=backend,
+        fuse_projections=args.fuse_projections,
+        layer_kernels=args.layer_kernels,
     )
     engine.warm_up()  # CUDA: every decode bucket's graph is captured before the first request (none on the CPU)
     app = build_app(engine, model_name=model_name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
