@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashcore.backends import on_device_of
+
 
 @triton.jit
 def _prompt_lookup_kernel(
@@ -59,16 +61,10 @@ def propose(history: torch.Tensor, lengths: torch.Tensor, num_draft: int, max_ng
     drafts = torch.empty(batch, num_draft, dtype=torch.long, device=history.device)
     has_draft = torch.empty(batch, dtype=torch.int8, device=history.device)
     if batch:
-        _prompt_lookup_kernel[(batch,)](
-            history,
-            lengths,
-            drafts,
-            has_draft,
-            width,
-            NUM_DRAFT=num_draft,
-            DRAFT_PAD=triton.next_power_of_2(num_draft),
-            MAX_NGRAM=min(max_ngram, width - 1),
-            MIN_NGRAM=min_ngram,
-            BLOCK=1024,
-        )
+        with on_device_of(history):  # a session whose embeddings sit on another GPU than the current one
+            _prompt_lookup_kernel[(batch,)](
+                history, lengths, drafts, has_draft, width,
+                NUM_DRAFT=num_draft, DRAFT_PAD=triton.next_power_of_2(num_draft),
+                MAX_NGRAM=min(max_ngram, width - 1), MIN_NGRAM=min_ngram, BLOCK=1024,
+            )  # fmt: skip
     return drafts, has_draft.bool()
