@@ -37,6 +37,7 @@ import torch
 from bench_generate import build_config, build_model
 
 from flashcore.engine import Engine, SamplingParams
+from flashcore.integrations.llama import flashcore_options
 
 COPY_TB_PER_S = 3.0
 
@@ -260,13 +261,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--engine-options",
         default="",
-        help="comma-separated Engine options to turn on: fuse_projections, layer_kernels (default: none)",
+        help="comma-separated Engine options, NAME (on) or NAME=off, of fuse_projections and layer_kernels (default: "
+        "the Engine's, both on with CUDA)",
     )
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU: checks the script only")
     args = parser.parse_args(argv)
     args.rates = [float(r) for r in args.rates.split(",")]
     args.sections = args.sections.split(",")
     return args
+
+
+def parse_engine_options(text: str) -> dict[str, bool]:
+    """``"fuse_projections,layer_kernels=off"`` → ``{"fuse_projections": True, "layer_kernels": False}``."""
+    options = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in ("fuse_projections", "layer_kernels") or value not in ("", "on", "off"):
+            raise SystemExit(f"--engine-options: got {item!r}; name fuse_projections or layer_kernels, =on or =off")
+        options[name] = value != "off"
+    return options
 
 
 def main(argv=None) -> dict:
@@ -277,10 +290,7 @@ def main(argv=None) -> dict:
     model = build_model(config, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     engine_model = copy.deepcopy(model)
-    engine_options = {name: True for name in args.engine_options.split(",") if name}
-    unknown = set(engine_options) - {"fuse_projections", "layer_kernels"}
-    if unknown:
-        raise SystemExit(f"--engine-options: unknown {sorted(unknown)}; choose from fuse_projections, layer_kernels")
+    engine_options = parse_engine_options(args.engine_options)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     scale = 16 if args.dry_run else 1
     max_cache_len = 2048 + 512 + 8
@@ -291,6 +301,7 @@ def main(argv=None) -> dict:
                         max_queue=1024, max_num_tokens=max(args.max_num_tokens // scale, rows),
                         **engine_options)  # fmt: skip
         engine.warm_up()
+        payload["settings"]["engine_model_options"] = flashcore_options(engine.model)  # what the engine ran
         return engine
 
     def record(row: dict, body) -> None:

@@ -112,6 +112,18 @@ def test_fused_projections_and_layer_kernels_match_stock(models):
         assert got[index] == stock_greedy(stock, prompt, 3), f"request {index}"
 
 
+def test_layer_options_default_to_on_with_cuda(models):
+    """Unset, ``fuse_projections`` and ``layer_kernels`` are on for a model on CUDA and off on the CPU; False keeps
+    them off anywhere."""
+    _, model = models
+    Engine(model, IdsTokenizer(), max_batch_size=1, max_cache_len=8, use_cuda_graph=False)
+    on_cuda = model.device.type == "cuda"
+    assert flashcore_options(model) == {"backend": "auto", "layer_kernels": on_cuda, "fuse_projections": on_cuda}
+    Engine(model, IdsTokenizer(), max_batch_size=1, max_cache_len=8, use_cuda_graph=False,
+           fuse_projections=False, layer_kernels=False)  # fmt: skip
+    assert flashcore_options(model) == {"backend": "auto", "layer_kernels": False, "fuse_projections": False}
+
+
 def test_next_turn_reuses_the_row(models):
     """A prompt that extends a finished request's tokens lands in its row; the tokens equal a cold run's."""
     stock, model = models

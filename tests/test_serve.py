@@ -363,7 +363,8 @@ def test_stream_disconnect_frees_the_row(server):
 
 
 def test_layer_options_reach_the_engine(monkeypatch):
-    """``--fuse-projections`` and ``--layer-kernels`` (off by default) become the engine's options of those names."""
+    """``--fuse-projections`` and ``--layer-kernels`` (and their ``--no-`` forms) become the engine's options of those
+    names; without them the engine chooses (on with a CUDA device)."""
     import flashcore.engine
     import flashcore.integrations.models
     from flashcore.serve.cli import main
@@ -376,7 +377,12 @@ def test_layer_options_reach_the_engine(monkeypatch):
 
     monkeypatch.setattr(flashcore.integrations.models, "load_model_and_tokenizer", lambda *args, **kwargs: (None, None))
     monkeypatch.setattr(flashcore.engine, "Engine", record_engine)
-    for flags, expected in (([], False), (["--fuse-projections", "--layer-kernels"], True)):
+    # None lets the engine choose (on with a CUDA device); the flags turn them on or off.
+    for flags, expected in (
+        ([], None),
+        (["--fuse-projections", "--layer-kernels"], True),
+        (["--no-fuse-projections", "--no-layer-kernels"], False),
+    ):
         with pytest.raises(Built) as built:
             main(["serve", "--device", "cpu", "--served-model-name", "test", *flags])
         options = built.value.args[0]

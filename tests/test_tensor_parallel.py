@@ -6,6 +6,7 @@ attention sees half of the heads, and its ``FlashCoreCache`` holds half of the K
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -66,8 +67,15 @@ def test_two_rank_tensor_parallel_matches_one_process(tmp_path, generator, reque
 
     out = tmp_path / "tp.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    # The ranks run on the CPU over gloo. With a GPU visible, transformers would give each rank a CUDA device and
+    # NCCL, and on a one-GPU host both ranks would share it (NCCL refuses); the two-GPU run is bench_multi_gpu.py.
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
-        [*command, str(WORKER), str(tmp_path), str(out), str(NEW_TOKENS)], capture_output=True, text=True, timeout=240
+        [*command, str(WORKER), str(tmp_path), str(out), str(NEW_TOKENS)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = json.loads(out.read_text())

@@ -60,7 +60,9 @@ class Engine:
         fuse_projections, layer_kernels: ``apply_flashcore_to_llama``'s options of those names, set on the model (in
             place), as :class:`~flashcore.integrations.decode_session.DecodeSession` takes them: one GEMM each for
             q/k/v and gate/up; the norms, RoPE and SiLU-and-mul on flashcore's Triton kernels (on the CPU they run in
-            Triton's interpreter). None (default) keeps what the model has (off if it is not patched).
+            Triton's interpreter). None (default) turns them on for a model on one CUDA device without tensor
+            parallelism, where they make a 64-row decode step 1.5x faster (``benchmarks/NOTES.md``, entry 45), and
+            otherwise keeps what the model has (off if it is not patched). Pass False to keep them off.
     """
 
     def __init__(
@@ -90,13 +92,16 @@ class Engine:
                 f"max_num_tokens={max_num_tokens} must be at least max_batch_size={max_batch_size} (every running row "
                 f"feeds one token per step)"
             )
+        self.device = next(model.parameters()).device
         options = flashcore_options(model) or {}
+        on_by_default = self.device.type == "cuda" and model_tp_size(model) == 1
         for name, value in (("fuse_projections", fuse_projections), ("layer_kernels", layer_kernels)):
+            if value is None and on_by_default:
+                value = True
             if value is not None:
                 options[name] = value
         self.model = apply_flashcore_to_llama(model, **options)
         self.tokenizer = tokenizer
-        self.device = next(model.parameters()).device
         self.max_cache_len = max_cache_len
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue

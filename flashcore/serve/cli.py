@@ -86,13 +86,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--fuse-projections",
-        action="store_true",
-        help="one GEMM each for q/k/v and gate/up in every layer (apply_flashcore_to_llama's option)",
+        action=argparse.BooleanOptionalAction,
+        help="one GEMM each for q/k/v and gate/up in every layer (apply_flashcore_to_llama's option; default: on "
+        "with a CUDA device, off on the CPU)",
     )
     parser.add_argument(
         "--layer-kernels",
-        action="store_true",
-        help="RMSNorm, RoPE and SiLU-and-mul on flashcore's Triton kernels (on the CPU: Triton's interpreter, slow)",
+        action=argparse.BooleanOptionalAction,
+        help="RMSNorm, RoPE and SiLU-and-mul on flashcore's Triton kernels (default: on with a CUDA device, off on the "
+        "CPU, where they run in Triton's interpreter, slowly)",
     )
     parser.add_argument(
         "--no-convert-cache",
@@ -160,6 +162,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from flashcore.engine import Engine
+    from flashcore.integrations.llama import flashcore_options
     from flashcore.serve.app import build_app
 
     engine = Engine(  # patches the model with apply_flashcore_to_llama(backend=backend)
@@ -175,8 +178,10 @@ def serve(args: argparse.Namespace) -> int:
     )
     engine.warm_up()  # CUDA: every decode bucket's graph is captured before the first request (none on the CPU)
     app = build_app(engine, model_name=model_name, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
+    options = flashcore_options(engine.model)
     print(
         f"[serve] {model_name} on http://{args.host}:{args.port}/v1 (backend={backend}, "
+        f"fuse_projections={options['fuse_projections']}, layer_kernels={options['layer_kernels']}, "
         f"max_batch_size={args.max_batch_size}, max_cache_len={args.max_cache_len}, "
         f"api key {'required' if args.api_key else 'off'})",
         file=sys.stderr,
