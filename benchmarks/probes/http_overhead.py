@@ -1,13 +1,17 @@
 """Probe: what the HTTP layer of ``flashcore serve`` costs per streamed token, against the engine in process.
 
-The bundled SmolLM2-135M-Instruct (float32, the CPU's torch backend) in one :class:`~flashcore.engine.Engine`. The
-same greedy request (a fixed prompt, ``--tokens`` new tokens, EOS ignored) runs, alternately, in process (token times
-taken in the engine's output callback) and through the server's app (uvicorn on 127.0.0.1 in this process, the
-client reading ``POST /v1/completions`` with ``stream: true`` through httpx, token times taken as each SSE event
-arrives). The inter-token gaps of each run are pooled per side; the difference of the medians is the HTTP layer's
-cost per token (SSE framing, JSON, the event loop and the socket), on top of a decode step that does not change.
+One :class:`~flashcore.engine.Engine` over ``--model``: ``smollm2``, the bundled SmolLM2-135M-Instruct (float32, the
+CPU's torch backend), or ``random-1b`` on CUDA, ``bench_generate``'s random-weight Llama-3.2-1B-shaped bf16 model
+(with the engine's defaults there: CUDA graphs, fused projections, layer kernels), whose tokenizer writes each token
+id as the text ``<id>``. The same greedy request (a fixed prompt, ``--tokens`` new tokens, EOS ignored) runs,
+alternately, in process (token times taken in the engine's output callback) and through the server's app (uvicorn on
+127.0.0.1 in this process, the client reading ``POST /v1/completions`` with ``stream: true`` through httpx, token
+times taken as each SSE event arrives). The inter-token gaps of each run are pooled per side; the difference of the
+medians is the HTTP layer's cost per token (SSE framing, JSON, the event loop and the socket), on top of a decode
+step that does not change.
 
-    python benchmarks/probes/http_overhead.py --out DIR
+    python benchmarks/probes/http_overhead.py --out DIR                                  # CPU, SmolLM2
+    python benchmarks/probes/http_overhead.py --model random-1b --tokens 256 --out DIR   # a GPU
 """
 
 from __future__ import annotations
@@ -31,27 +35,60 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+class IdsAsTextTokenizer:
+    """For random weights: a token id is the text ``<id>``, so every streamed token is a non-empty delta."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(f"<{token}>" for token in ids)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(part) for part in text.replace("<", " ").replace(">", " ").split()]
+
+
+def load(name: str):
+    """``(engine, prompt)`` for ``--model``; the prompt is the text the tokenizer reads."""
+    import torch
+
+    from flashcore.engine import Engine
+
+    if name == "smollm2":
+        from flashcore.integrations.models import load_model_and_tokenizer
+
+        model, tokenizer = load_model_and_tokenizer(None, device="cpu", dtype="float32")
+        engine = Engine(model, tokenizer, max_batch_size=2, max_cache_len=512, backend="torch")
+        return engine, "Write a long story about a lighthouse keeper."
+    from bench_generate import build_config, build_model
+
+    config = build_config(False)
+    model = build_model(config, torch.device("cuda"))
+    engine = Engine(model, IdsAsTextTokenizer(), max_batch_size=2, max_cache_len=1024)
+    engine.warm_up()
+    prompt_ids = torch.randint(1, config.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    return engine, IdsAsTextTokenizer().decode(prompt_ids)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (fixed: the host's noise stays small)")
+    parser.add_argument("--model", choices=["smollm2", "random-1b"], default="smollm2")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import httpx
     import torch
     import uvicorn
 
-    from flashcore.engine import Engine, SamplingParams
-    from flashcore.integrations.models import load_model_and_tokenizer
+    from flashcore.engine import SamplingParams
+    from flashcore.integrations.llama import flashcore_options
     from flashcore.serve.app import build_app
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    model, tokenizer = load_model_and_tokenizer(None, device="cpu", dtype="float32")
-    engine = Engine(model, tokenizer, max_batch_size=2, max_cache_len=512, backend="torch")
-    prompt = "Write a long story about a lighthouse keeper."
-    prompt_ids = tokenizer.encode(prompt)
+    engine, prompt = load(args.model)
+    prompt_ids = engine.tokenizer.encode(prompt)
 
     def in_process() -> list[float]:
         times, done = [], threading.Event()
@@ -93,6 +130,10 @@ def main() -> None:
     medians = {name: statistics.median(values) * 1e3 for name, values in gaps.items()}
     result = {
         "commit": harness.git_commit(),
+        "model": args.model,
+        "device": torch.cuda.get_device_name() if args.model == "random-1b" else "cpu",
+        "engine_model_options": flashcore_options(engine.model),
+        "use_cuda_graph": engine.use_cuda_graph,
         "tokens": args.tokens,
         "rounds": args.rounds,
         "torch_threads": torch.get_num_threads(),
@@ -103,7 +144,8 @@ def main() -> None:
     print(json.dumps(result, indent=2))
     out = Path(args.out or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "http_overhead.json").write_text(json.dumps(result, indent=2) + "\n")
+    name = "http_overhead.json" if args.model == "smollm2" else f"http_overhead_{args.model}.json"
+    (out / name).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
