@@ -40,6 +40,12 @@ class IdsAsTextTokenizer:
 
     eos_token_id = None
 
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:  # the server checks token-id prompts against it
+        return self.vocab_size
+
     def decode(self, ids, skip_special_tokens=True) -> str:
         return "".join(f"<{token}>" for token in ids)
 
@@ -63,10 +69,11 @@ def load(name: str):
 
     config = build_config(False)
     model = build_model(config, torch.device("cuda"))
-    engine = Engine(model, IdsAsTextTokenizer(), max_batch_size=2, max_cache_len=1024)
+    tokenizer = IdsAsTextTokenizer(config.vocab_size)
+    engine = Engine(model, tokenizer, max_batch_size=2, max_cache_len=1024)
     engine.warm_up()
     prompt_ids = torch.randint(1, config.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
-    return engine, IdsAsTextTokenizer().decode(prompt_ids)
+    return engine, tokenizer.decode(prompt_ids)
 
 
 def main() -> None:
