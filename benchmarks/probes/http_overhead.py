@@ -3,12 +3,12 @@
 One :class:`~flashcore.engine.Engine` over ``--model``: ``smollm2``, the bundled SmolLM2-135M-Instruct (float32, the
 CPU's torch backend), or ``random-1b`` on CUDA, ``bench_generate``'s random-weight Llama-3.2-1B-shaped bf16 model
 (with the engine's defaults there: CUDA graphs, fused projections, layer kernels), whose tokenizer writes each token
-id as the text ``<id>``. The same greedy request (a fixed prompt, ``--tokens`` new tokens, EOS ignored) runs,
-alternately, in process (token times taken in the engine's output callback) and through the server's app (uvicorn on
-127.0.0.1 in this process, the client reading ``POST /v1/completions`` with ``stream: true`` through httpx, token
-times taken as each SSE event arrives). The inter-token gaps of each run are pooled per side; the difference of the
-medians is the HTTP layer's cost per token (SSE framing, JSON, the event loop and the socket), on top of a decode
-step that does not change.
+id as the text ``<id>``. The same greedy request (a fixed prompt, sent as token ids, ``--tokens`` new tokens, EOS
+ignored) runs, alternately, in process (token times taken in the engine's output callback) and through the server's
+app (uvicorn on 127.0.0.1 in this process, the client reading ``POST /v1/completions`` with ``stream: true`` through
+httpx, token times taken as each SSE event arrives). The inter-token gaps of each run are pooled per side; the
+difference of the medians is the HTTP layer's cost per token (SSE framing, JSON, the event loop and the socket), on
+top of a decode step that does not change.
 
     python benchmarks/probes/http_overhead.py --out DIR                                  # CPU, SmolLM2
     python benchmarks/probes/http_overhead.py --model random-1b --tokens 256 --out DIR   # a GPU
@@ -54,7 +54,7 @@ class IdsAsTextTokenizer:
 
 
 def load(name: str):
-    """``(engine, prompt)`` for ``--model``; the prompt is the text the tokenizer reads."""
+    """``(engine, prompt_ids)`` for ``--model``."""
     import torch
 
     from flashcore.engine import Engine
@@ -64,16 +64,17 @@ def load(name: str):
 
         model, tokenizer = load_model_and_tokenizer(None, device="cpu", dtype="float32")
         engine = Engine(model, tokenizer, max_batch_size=2, max_cache_len=512, backend="torch")
-        return engine, "Write a long story about a lighthouse keeper."
+        return engine, tokenizer.encode("Write a long story about a lighthouse keeper.")
     from bench_generate import build_config, build_model
 
-    config = build_config(False)
-    model = build_model(config, torch.device("cuda"))
+    tiny = name == "random-tiny"
+    config = build_config(tiny)
+    model = build_model(config, torch.device("cpu" if tiny else "cuda"))
     tokenizer = IdsAsTextTokenizer(config.vocab_size)
     engine = Engine(model, tokenizer, max_batch_size=2, max_cache_len=1024)
     engine.warm_up()
-    prompt_ids = torch.randint(1, config.vocab_size, (512,), generator=torch.Generator().manual_seed(0)).tolist()
-    return engine, tokenizer.decode(prompt_ids)
+    generator = torch.Generator().manual_seed(0)
+    return engine, torch.randint(1, config.vocab_size, (32 if tiny else 512,), generator=generator).tolist()
 
 
 def main() -> None:
@@ -81,7 +82,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (fixed: the host's noise stays small)")
-    parser.add_argument("--model", choices=["smollm2", "random-1b"], default="smollm2")
+    parser.add_argument(
+        "--model",
+        choices=["smollm2", "random-1b", "random-tiny"],
+        default="smollm2",
+        help="random-tiny: bench_generate's tiny config on the CPU, to check the script only",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import httpx
@@ -94,8 +100,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    engine, prompt = load(args.model)
-    prompt_ids = engine.tokenizer.encode(prompt)
+    engine, prompt_ids = load(args.model)
 
     def in_process() -> list[float]:
         times, done = [], threading.Event()
@@ -118,7 +123,7 @@ def main() -> None:
         time.sleep(0.05)
 
     def over_http() -> list[float]:
-        body = {"model": "m", "prompt": prompt, "max_tokens": args.tokens, "temperature": 0, "ignore_eos": True,
+        body = {"model": "m", "prompt": prompt_ids, "max_tokens": args.tokens, "temperature": 0, "ignore_eos": True,
                 "stream": True}  # fmt: skip
         times = []
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as response:
@@ -138,7 +143,7 @@ def main() -> None:
     result = {
         "commit": harness.git_commit(),
         "model": args.model,
-        "device": torch.cuda.get_device_name() if args.model == "random-1b" else "cpu",
+        "device": torch.cuda.get_device_name() if engine.device.type == "cuda" else "cpu",
         "engine_model_options": flashcore_options(engine.model),
         "use_cuda_graph": engine.use_cuda_graph,
         "tokens": args.tokens,
