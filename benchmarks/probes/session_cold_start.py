@@ -6,7 +6,8 @@ and its warm-up figure is a warm one. Here each variant runs in a process of its
 is ``bench_generate``'s random-weight Llama-3.2-1B-shaped bf16 model, on the GPU before the clock starts; from there
 the clock reads the seconds to each of the first ``--tokens`` tokens of one row (512 random prompt tokens): the
 session's construction (patching the model), the prefill's token, then the decode steps, the first of which captures
-the CUDA graph (and compiles, with ``compile=True``). Each token is read on the host before the next step.
+the CUDA graph (and compiles, with ``compile=True``). Each token is read on the host before the next step. Each
+Triton and Gluon kernel compile is recorded with its duration.
 
     python benchmarks/probes/session_cold_start.py --out DIR    # ~1 min on an H100 (the compiled variant: +20 s)
 """
@@ -38,6 +39,7 @@ def child(variant: str, tokens: int) -> dict:
 
     from flashcore.integrations.decode_session import DecodeSession
 
+    compiles = trace_triton_compiles()
     device = torch.device("cuda")
     model = build_model(build_config(False), device)
     prompt = torch.randint(1, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
@@ -51,7 +53,30 @@ def child(variant: str, tokens: int) -> dict:
     while len(stamps) < tokens:
         ids.append(int(session.decode_step()[0]))
         stamps.append(time.perf_counter() - started)
-    return {"session_built_s": round(built, 4), "token_s": [round(s, 4) for s in stamps], "tokens": ids}
+    return {
+        "session_built_s": round(built, 4),
+        "token_s": [round(s, 4) for s in stamps],
+        "tokens": ids,
+        "triton_compiles": compiles,
+        "triton_compile_s": round(sum(seconds for _, seconds, _ in compiles), 3),
+    }
+
+
+def trace_triton_compiles() -> list:
+    """Records each Triton (and Gluon) kernel compile of this process: ``[name, seconds, seconds since start]``."""
+    import triton.runtime.jit as jit
+
+    compiles, original, origin = [], jit.compile, time.perf_counter()
+
+    def timed(src, *args, **kwargs):
+        started = time.perf_counter()
+        kernel = original(src, *args, **kwargs)
+        name = getattr(getattr(src, "fn", None), "__name__", type(src).__name__)
+        compiles.append([name, round(time.perf_counter() - started, 3), round(started - origin, 3)])
+        return kernel
+
+    jit.compile = timed  # JITFunction binds the module's `compile` when it first builds a kernel's binder
+    return compiles
 
 
 def main() -> None:
