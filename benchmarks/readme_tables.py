@@ -181,6 +181,14 @@ def _tokens(payload: dict, path: str, batch: int) -> str:
     return "" if pair is None else f"{pair['rows_identical']}/{pair['rows']}"
 
 
+def _warm_up(payload: dict, path: str) -> str:
+    """Seconds from the loaded model to the 1st and 3rd tokens of the path's first generate (its first batch size),
+    compiles and graph captures included; "—" for a run that did not record them."""
+    first = min((r for r in payload["rows"] if r["path"] == path), key=lambda r: r["B"], default=None)
+    stamps = (first or {}).get("warmup_first_tokens_s")
+    return f"{stamps[0]:.2f} / {stamps[2]:.2f}" if stamps and len(stamps) >= 3 else "—"
+
+
 def _generate_cells(payload: dict, path: str, batch: int, mark: str = "") -> dict | None:
     rows = {(r["path"], r["B"]): r for r in payload["rows"] if r.get("status") == "ok"}
     row, reference = rows.get((path, batch)), rows.get((REFERENCE_PATH, batch))
@@ -208,8 +216,10 @@ def generate_block(payload: dict, extra: dict | None = None, json_name: str = "b
         f"({payload['model']['weight_bytes'] / 1e9:.2f} GB of {config['dtype']} weights); a prompt of "
         f"{settings['prompt_len']} random tokens, {settings['new_tokens']} new tokens, greedy. tok/s counts the "
         "prefill; bandwidth is the bytes a decode step must read (every weight once, plus the KV cache) over the "
-        f"decode step's time, as a share of {nominal.group(1) if nominal else 'the nominal'} TB/s. The last column "
-        f"counts the rows whose {settings['new_tokens']} greedy tokens equal the same model's eager `generate`.",
+        f"decode step's time, as a share of {nominal.group(1) if nominal else 'the nominal'} TB/s. The tokens column "
+        f"counts the rows whose {settings['new_tokens']} greedy tokens equal the same model's eager `generate`; "
+        "the last column is the warm-up: from the loaded model to the first and third tokens of the path's first call "
+        "(compiles and graph captures happen there; the paths run in the table's order, in one process).",
     ]
     batches = sorted({r["B"] for r in payload["rows"]})
     paths = list(dict.fromkeys(r["path"] for r in payload["rows"]))
@@ -229,7 +239,7 @@ def generate_block(payload: dict, extra: dict | None = None, json_name: str = "b
         table.append(
             f"| {GENERATE_PATH_LABELS.get(path, path)} | "
             + " | ".join(c["tok_per_s"] for c in cells)
-            + f" | {joined['ratio']} | {joined['bandwidth']} | {joined['tokens']} |"
+            + f" | {joined['ratio']} | {joined['bandwidth']} | {joined['tokens']} | {_warm_up(payload, path)} |"
         )
     if used_extra:
         reference = {r["B"]: r for r in extra["rows"] if r["path"] == REFERENCE_PATH and r.get("status") == "ok"}
@@ -245,8 +255,9 @@ def generate_block(payload: dict, extra: dict | None = None, json_name: str = "b
     comma = ", ".join(f"B={b}" for b in batches)
     lines += [
         "",
-        f"| path | {per_batch} | ÷ HF's reference, {slash} | bandwidth, {slash} | tokens = eager, {comma} |",
-        "|---|" + "---|" * (len(batches) + 3),
+        f"| path | {per_batch} | ÷ HF's reference, {slash} | bandwidth, {slash} | tokens = eager, {comma} "
+        f"| first call, B={batches[0]}: s to token 1 / 3 |",
+        "|---|" + "---|" * (len(batches) + 4),
         *table,
     ]
     return "\n".join(line if line.startswith("|") else _wrap(line) for line in lines)
@@ -329,6 +340,64 @@ def multi_gpu_block(payload: dict, json_name: str = "bench_multi_gpu.json") -> s
     return "\n".join(line if line.startswith("|") or not line else _wrap(line) for line in lines)
 
 
+SERVE_ROWS = (  # (flashcore's workload, transformers' workload, transformers' system, label)
+    ("anchor", "anchor", "hf_generate_batch", "64 requests at once, prompts 128-1024, 128 new tokens"),
+    ("anchor", "anchor", "hf_static_waves", "the same, against HF static `generate` in waves of 16"),
+    ("poisson_32_first64", "poisson_32_first64", "hf_continuous",
+     "Poisson arrivals at 32 req/s, prompts 128-2048, 64-512 new tokens (first 64 requests)"),
+    ("poisson_8_first64", "poisson_8_first64", "hf_continuous", "the same at 8 req/s"),
+)  # fmt: skip
+SERVE_SYSTEMS = {
+    "hf_generate_batch": "`generate_batch`",
+    "hf_static_waves": "static waves",
+    "hf_continuous": "`ContinuousBatchingManager`, streamed",
+}
+
+
+def _serve_cell(row: dict) -> str:
+    itl = row.get("itl")
+    return f"{row['output_tok_per_s']:,.1f} tok/s" + (f", ITL p99 {itl['p99_ms']:.1f} ms" if itl else "")
+
+
+def serve_block(payload: dict, json_name: str = "bench_serve.json") -> str:
+    """The run line, flashcore's engine against transformers per workload, and the decode-step and lone-request
+    figures (issue 27's targets)."""
+    rows = {(r["workload"], r["system"]): r for r in payload["rows"] if r.get("status") == "ok"}
+    options = payload["settings"].get("engine_model_options") or {}
+    switched_on = [name for name in ("fuse_projections", "layer_kernels") if options.get(name)]
+    lines = [
+        f"`bench_serve.py`: {_run(payload)}; {_raw_data(json_name)}. A random-weight Llama-3.2-1B-shaped bf16 model, "
+        f"EOS ignored; the engine with {' and '.join(switched_on) or 'neither fused projections nor layer kernels'}"
+        f"{' (its defaults on CUDA)' if len(switched_on) == 2 else ''}. ITL: inter-token latency.",
+        "",
+        "| workload | flashcore engine | transformers | ratio |",
+        "|---|---|---|---|",
+    ]
+    for ours, theirs, system, label in SERVE_ROWS:
+        engine, other = rows.get((ours, "flashcore_engine")), rows.get((theirs, system))
+        if engine is None or other is None:
+            continue
+        ratio = engine["output_tok_per_s"] / other["output_tok_per_s"]
+        lines.append(
+            f"| {label} | {_serve_cell(engine)} | {_serve_cell(other)} ({SERVE_SYSTEMS[system]}) | {ratio:.1f}× |"
+        )
+    decode, lone = rows.get(("decode_64", "flashcore_engine")), rows.get(("lone", "flashcore_engine"))
+    facts = []
+    if decode:
+        facts.append(
+            f"a decode step with {decode['rows']} running rows at {decode['context']:,} tokens of context takes "
+            f"{decode['step_ms']:.2f} ms, {decode['bandwidth_util_pct']:.1f}% of 3.0 TB/s for its weights and KV"
+        )
+    if lone:
+        facts.append(
+            f"a lone request's inter-token latency (p50) is {lone['engine_itl']['p50_ms']:.2f} ms against "
+            f"{lone['session_step_ms']:.2f} ms for a `DecodeSession` step on the same model ({lone['ratio_p50']:.3f}×)"
+        )
+    if facts:
+        lines += ["", "Same run: " + "; ".join(facts) + "."]
+    return "\n".join(line if line.startswith("|") or not line else _wrap(line) for line in lines)
+
+
 def replace_block(text: str, name: str, body: str) -> str:
     """Replaces what lies between ``<!-- {name} table: generated by benchmarks/plot.py -->`` and the next end marker."""
     start = f"<!-- {name} table: generated by benchmarks/plot.py -->"
@@ -352,5 +421,6 @@ def update_readme(readme_path: Path = README_PATH, results_dir: Path = RESULTS_D
     text = replace_block(text, "bench_generate", generate_block(generate, extra))
     text = replace_block(text, "bench_cpu", cpu_block(_load(results_dir / "bench_cpu.json")))
     text = replace_block(text, "bench_multi_gpu", multi_gpu_block(_load(results_dir / "bench_multi_gpu.json")))
+    text = replace_block(text, "bench_serve", serve_block(_load(results_dir / "bench_serve.json")))
     readme_path.write_text(text)
-    return ["bench_attention", "bench_generate", "bench_cpu", "bench_multi_gpu"]
+    return ["bench_attention", "bench_generate", "bench_cpu", "bench_multi_gpu", "bench_serve"]
