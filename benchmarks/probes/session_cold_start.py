@@ -64,9 +64,10 @@ def child(variant: str, tokens: int) -> dict:
 
 def trace_triton_compiles() -> list:
     """Records each Triton (and Gluon) kernel compile of this process: ``[name, seconds, seconds since start]``."""
+    import triton.compiler
     import triton.runtime.jit as jit
 
-    compiles, original, origin = [], jit.compile, time.perf_counter()
+    compiles, original, origin = [], triton.compiler.compile, time.perf_counter()
 
     def timed(src, *args, **kwargs):
         started = time.perf_counter()
@@ -75,7 +76,11 @@ def trace_triton_compiles() -> list:
         compiles.append([name, round(time.perf_counter() - started, 3), round(started - origin, 3)])
         return kernel
 
-    jit.compile = timed  # JITFunction binds the module's `compile` when it first builds a kernel's binder
+    # JITFunction binds `compile` when it first builds a kernel's binder: from its module's globals (newer triton)
+    # or from an import of triton.compiler's at that moment (triton 3.6).
+    triton.compiler.compile = timed
+    if hasattr(jit, "compile"):
+        jit.compile = timed
     return compiles
 
 
