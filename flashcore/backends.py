@@ -33,6 +33,29 @@ def on_device_of(tensor: torch.Tensor):
     return torch.cuda.device(index)
 
 
+_as_captured = False  # set by kernels_as_captured(); one flag per process, as flashcore runs one stream per device
+
+
+@contextlib.contextmanager
+def kernels_as_captured():
+    """Eager calls in this context launch the kernel variants a CUDA-graph capture would (the split merge in a launch
+    of its own, :func:`flashcore.kernels.triton.split_merge.merges_in_attention_launch`). A step warmed up eagerly
+    before its capture runs in it, so that the warm-up compiles what the capture replays, and the capture compiles
+    nothing (``DecodeSession``, the engine's decode buckets; benchmarks/NOTES.md, entry 46)."""
+    global _as_captured
+    outer, _as_captured = _as_captured, True
+    try:
+        yield
+    finally:
+        _as_captured = outer
+
+
+def picks_captured_kernels(device: torch.device) -> bool:
+    """Whether a launch on ``device`` takes its CUDA-graph variant: while a graph is captured, or in
+    :func:`kernels_as_captured`."""
+    return device.type == "cuda" and (_as_captured or torch.cuda.is_current_stream_capturing())
+
+
 def is_capturing_or_tracing() -> bool:
     """Whether host reads are forbidden now: ``torch.compile`` is tracing, or a CUDA graph is being captured."""
     if torch.compiler.is_compiling():

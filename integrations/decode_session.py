@@ -25,6 +25,7 @@ import gc
 
 import torch
 
+from flashcore.backends import kernels_as_captured
 from flashcore.integrations.cache import FlashCoreCache
 from flashcore.integrations.llama import (
     CACHE_ARGUMENT_NAME,
@@ -287,14 +288,16 @@ class DecodeSession:
         return picks, counts, flags
 
     def _run_step(self, key: tuple, step):
-        """``step()``'s outputs: run eagerly on its key's first call (warming up kernels, autotuning and allocations),
-        captured as a CUDA graph on the second and replayed from then on (the outputs are then the graph's own
-        tensors, overwritten by each replay). Always eager without ``use_cuda_graph``."""
+        """``step()``'s outputs: run eagerly on its key's first call (warming up the kernels the capture will run,
+        autotuning and allocations), captured as a CUDA graph on the second and replayed from then on (the outputs
+        are then the graph's own tensors, overwritten by each replay). Always eager without ``use_cuda_graph``."""
         entry = self._graphs.get(key)
-        if not self.use_cuda_graph or entry is None:
-            if self.use_cuda_graph:
-                self._graphs[key] = _WARM
+        if not self.use_cuda_graph:
             return step()
+        if entry is None:
+            self._graphs[key] = _WARM
+            with kernels_as_captured():  # compiles the kernels the capture will replay
+                return step()
         if entry is _WARM:
             torch.cuda.synchronize()
             # A dropped session is a reference cycle (it holds its own bound step method) and keeps its graphs until

@@ -134,3 +134,18 @@ def test_repeated_calls_alternating_alignment(num_new, device, generator):
         # compiled kernel's own launcher reads the option from its metadata.
         uses_pdl = uses_programmatic_launch(torch.device(device))
         assert all(bool(compiled.metadata.launch_pdl) == uses_pdl for compiled in compiled_kernels)
+
+
+def test_kernels_as_captured_picks_the_capture_variants():
+    """An eager warm-up of a step to be captured launches what the capture will: the split merge in its own launch."""
+    from flashcore.backends import kernels_as_captured, picks_captured_kernels
+    from flashcore.kernels.triton.split_merge import merges_in_attention_launch
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    with kernels_as_captured():
+        assert picks_captured_kernels(cuda) and not merges_in_attention_launch(cuda)
+        with kernels_as_captured():
+            pass
+        assert picks_captured_kernels(cuda)  # a nested exit keeps the outer context
+        assert not picks_captured_kernels(cpu) and merges_in_attention_launch(cpu)
+    assert merges_in_attention_launch(cpu)

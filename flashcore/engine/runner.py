@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from flashcore.backends import kernels_as_captured
 from flashcore.engine.cache import EngineCache, StepLayout
 from flashcore.engine.sampling import select_tokens, to_device
 from flashcore.engine.scheduler import Feed, Request, Row
@@ -210,7 +211,8 @@ class DecodeBuffers:
         self.query_lens.zero_()
         layout = StepLayout(bucket, self.query_lens[:bucket])
         step = (self.tokens[:bucket], self.positions[:bucket], layout, 1)
-        self.runner.run_model(*step)  # warm-up: compiles and autotunes; query_lens 0 writes nothing
+        with kernels_as_captured():  # warm-up: compiles what the capture replays; query_lens 0 writes nothing
+            self.runner.run_model(*step)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

@@ -23,14 +23,16 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from flashcore.backends import picks_captured_kernels
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 
 
 def merges_in_attention_launch(device: torch.device) -> bool:
     """Where a split prefix is merged: in the attention launch when running eagerly, where a second launch's
     host cost dominates; in a second launch while a CUDA graph is captured, because replay has no host cost and
-    the separate merge is faster on the H100 (benchmarks/NOTES.md, entry 20). Every decode body asks here."""
-    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    the separate merge is faster on the H100 (benchmarks/NOTES.md, entry 20), and in an eager warm-up of a step to be
+    captured (``backends.kernels_as_captured``). Every decode body asks here."""
+    return not picks_captured_kernels(device)
 
 
 @triton.jit
