@@ -16,6 +16,9 @@ every request generates exactly its ``max_tokens``). Workloads, all with fixed s
 - ``lone``: one request (prompt 512, 256 new tokens): the engine's median inter-token latency against
   ``DecodeSession``'s decode step on the same model.
 
+The engine runs with its defaults (on CUDA: ``fuse_projections`` and ``layer_kernels`` on); ``--engine-options``
+changes them, and the JSON records what the engine ran (``settings.engine_model_options``).
+
 Per row: output tok/s (output tokens / time from first arrival to last token), time to first token (TTFT) and
 inter-token latency (ITL: gaps between a request's consecutive tokens) p50/p99, where the system streams them
 (``generate_batch`` and static waves return whole requests: TTFT and ITL are not reported for them).
