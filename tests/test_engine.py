@@ -32,7 +32,15 @@ def models(request):
 
 def stock_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     inputs = torch.tensor([prompt], device=TEST_DEVICE)
-    out = model.generate(inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+    # Every token is real, as the engine takes it. Without a mask, generate would mask each token equal to the pad
+    # id (0), which a generated token fed back in a next turn's prompt can be.
+    out = model.generate(
+        inputs,
+        attention_mask=torch.ones_like(inputs),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
     return out[0, len(prompt) :].tolist()
 
 
