@@ -277,3 +277,32 @@ def test_torch_backend_runs_the_reference_where_host_reads_are_illegal(monkeypat
     out, returned = call_with_query_lens(inputs, backend="torch")
     assert kernels_run == [reference.NAME]
     check_call(inputs, out, returned, atol=TOLERANCES[DTYPES[0]], is_causal=True)
+
+
+@pytest.mark.parametrize(("seq_lens", "query_lens"), [([1100, 1100], [1, 1]), ([1030, 1500, 20], [1, 0, 1])])
+def test_torch_backend_long_decode_attends_with_gemms(seq_lens, query_lens, monkeypatch, kernels_run, make_inputs):
+    """A decode step over at least MATMUL_DECODE_MIN_KV_LEN tokens takes torch.sdpa's two-GEMM path, not SDPA (a
+    uniform batch; rows of their own, one short, one idle); every rule of the contract holds, the NaN garbage past
+    each row's end included."""
+    sdpa_kv_lens, sdpa = [], F.scaled_dot_product_attention
+
+    def counting_sdpa(query, key, value, **kwargs):
+        sdpa_kv_lens.append(key.shape[2])
+        return sdpa(query, key, value, **kwargs)
+
+    monkeypatch.setattr(torch_sdpa.F, "scaled_dot_product_attention", counting_sdpa)
+    inputs = make_inputs(
+        dtype=torch.float32,
+        device="cpu",
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        capacity=1600,
+        seq_lens=seq_lens,
+        query_lens=query_lens,
+    )
+    out, returned = call_with_query_lens(inputs, backend="torch")
+    assert kernels_run == [torch_sdpa.NAME]
+    short_rows = [length + 1 for length, new in zip(seq_lens, query_lens, strict=True) if new and length < 1000]
+    assert sdpa_kv_lens == short_rows
+    check_call(inputs, out, returned, atol=TOLERANCES[torch.float32], is_causal=True)

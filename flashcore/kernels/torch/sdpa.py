@@ -7,7 +7,8 @@ row's written prefix to SDPA, so it never loads a slot past a row's end and garb
 A batch whose rows share their length and new-token count is one SDPA call; any other batch is one call per row
 (the CPU's batches are small). Grouped query heads read each K/V head once, without a ``repeat_interleave`` copy:
 through SDPA's ``enable_gqa`` where no mask is needed (decode), packed into one KV head's rows
-(``[B, H_kv, group * S_q, D]``) where one is.
+(``[B, H_kv, group * S_q, D]``) where one is. A decode step over at least ``MATMUL_DECODE_MIN_KV_LEN`` cached tokens
+attends with two GEMMs instead, which the CPU runs faster than SDPA there.
 
 The host read is illegal while a CUDA graph is being captured or ``torch.compile`` traces; the reference, which
 has no host read there, takes those calls.
@@ -22,6 +23,7 @@ from flashcore.backends import is_capturing_or_tracing
 from flashcore.kernels.call import KernelCall
 
 NAME = "torch.sdpa"
+MATMUL_DECODE_MIN_KV_LEN = 1024  # from here on a decode step attends with two GEMMs instead of SDPA (see _attend)
 
 
 def supports(call: KernelCall) -> bool:
@@ -49,10 +51,9 @@ def run(call: KernelCall) -> torch.Tensor:
         # Slice assignment: one call per tensor for the write (narrow + copy_ was two, and more host time).
         k_cache[:, :, start : start + num_new] = key
         v_cache[:, :, start : start + num_new] = value
-        if start == 0:  # an empty row holds exactly the new tokens: attend to them where they already are
-            keys, values = key, value
-        else:
-            keys, values = k_cache.narrow(2, 0, start + num_new), v_cache.narrow(2, 0, start + num_new)
+        # The cache's copy even where the row was empty: HF's new keys are [B, S, H, D] storage, whose strided heads
+        # SDPA read 1.4% slower than the cache's rows at a 3,000-token prefill (benchmarks/NOTES.md, entry 48).
+        keys, values = k_cache.narrow(2, 0, start + num_new), v_cache.narrow(2, 0, start + num_new)
         out = _attend(query, keys, values, start, is_causal, scale, sliding_window)
         seq_lens.fill_(start + num_new)  # every row held `start`: the same as add_, with less host time
         return out.contiguous()
@@ -113,6 +114,13 @@ def _attend(
             mask &= slots <= positions
         if has_window:
             mask &= slots > positions - sliding_window
+    if mask is None and num_new == 1 and kv_len >= MATMUL_DECODE_MIN_KV_LEN:
+        # Long decode: two batched GEMMs over the packed query heads and a softmax between them. On the CPU this beat
+        # SDPA's kernel from about 1k cached tokens on (SmolLM2's shape at 3k: 23.9 against 26.9 ms per step of a
+        # 30-layer model whose projections are negligible; benchmarks/NOTES.md, entry 48).
+        packed = query.reshape(batch, num_kv_heads, group, head_dim)
+        scores = torch.matmul(packed, keys.transpose(-1, -2)).mul_(scale)
+        return torch.matmul(scores.softmax(dim=-1), values).view(batch, num_q_heads, 1, head_dim)
     if mask is None:  # SDPA's own GQA path, which reads each K/V head once
         return F.scaled_dot_product_attention(query, keys, values, scale=scale, enable_gqa=group > 1)
     mask = mask.repeat(group, 1)  # the packed rows: group copies of the n queries
