@@ -38,10 +38,11 @@ def flashcore_padding_mask(
     """The mask flashcore's attention takes: int32 ``[B, S_q]``, 1 where a new token is real, or None when all are.
 
     The kernel applies causality and cache lengths itself, so only the new tokens' padding columns are needed.
-    A prefill (``S_q > 1``) whose new tokens are all real gives None: one host read, once per forward, skipped
-    under CUDA-graph capture and while ``torch.compile`` traces. A decode step (``S_q == 1``) keeps its mask, read
-    by no one on the host: the decode kernels take ``query_lens``. Applied twice (``generate`` precomputes it, the
-    model recomputes it), it returns the same mask.
+    A step whose new tokens are all real gives None: one host read, once per forward, skipped under CUDA-graph
+    capture and while ``torch.compile`` traces. On CUDA a decode step (``S_q == 1``) keeps its mask instead, read by
+    no one on the host (the decode kernels take ``query_lens``): a host read there would wait for the GPU every token.
+    On the CPU the read is free and saves each layer's ``query_lens``. Applied twice (``generate`` precomputes it,
+    the model recomputes it), it returns the same mask.
     """
     if mask_function is not causal_mask_function:
         raise NotImplementedError(
@@ -51,7 +52,9 @@ def flashcore_padding_mask(
     if attention_mask is None:
         return None
     new_tokens = attention_mask[:, -q_length:]
-    if q_length > 1 and not is_capturing_or_tracing() and bool(new_tokens.all()):
+    # A host read of a CPU tensor costs no sync; on CUDA a decode step skips it (one sync per token).
+    may_read = q_length > 1 or not new_tokens.is_cuda
+    if may_read and not is_capturing_or_tracing() and bool(new_tokens.all()):
         return None
     # A fresh int32 tensor with standard strides: a view of the growing [B, L] mask would change stride every decode
     # step, and torch.compile guards on strides; int32 is what query_lens must be, so a decode step's mask is its

@@ -13,7 +13,10 @@ The attention goes through transformers' extension points; no modeling symbol is
 - for ``generate``, an instance attribute ``_prepare_cache_for_generation`` that wraps the class method (same
   signature in transformers 5.17 to 5.24) and swaps the ``DynamicCache``/``StaticCache`` it builds for a
   :class:`FlashCoreCache` of the same capacity. It runs before generate decides to compile the decode step, so
-  on CUDA ``generate`` compiles it (``is_compileable``) as it would for a ``StaticCache``.
+  on CUDA ``generate`` compiles it (``is_compileable``) as it would for a ``StaticCache``;
+- for ``generate`` too, an instance attribute ``create_masks_for_generate``, the hook transformers looks up on the
+  model to build the mask of each step ahead of the forward for a compileable cache: it calls the registered mask
+  function directly (:func:`_masks_for_generate`).
 
 ``layer_kernels`` and ``fuse_projections`` change code inside the attention and MLP forwards, where transformers
 has no extension point; :mod:`flashcore.integrations.llama_forward_fork` says why and holds the one fork of those
@@ -49,7 +52,7 @@ if Version(transformers.__version__) < Version(MIN_SUPPORTED_TRANSFORMERS_VERSIO
     )
 
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel, StaticCache  # noqa: E402
-from transformers.masking_utils import AttentionMaskInterface  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaModel  # noqa: E402
 
 from flashcore.backends import BACKENDS, is_capturing_or_tracing  # noqa: E402
@@ -214,6 +217,7 @@ def remove_flashcore(model: PreTrainedModel) -> PreTrainedModel:
     for handle in state.hook_handles:
         handle.remove()
     model.__dict__.pop("_prepare_cache_for_generation", None)
+    model.__dict__.pop("create_masks_for_generate", None)
     model.set_attn_implementation(state.previous_attn_implementation or "sdpa")
     return model
 
@@ -250,8 +254,23 @@ def _patch(model: PreTrainedModel, decoder: torch.nn.Module, backend: str) -> _F
     state.hook_handles.append(decoder.register_forward_pre_hook(prepare_forward, with_kwargs=True))
     if hasattr(type(model), "_prepare_cache_for_generation"):  # a bare LlamaModel does not generate
         model._prepare_cache_for_generation = _make_prepare_cache_for_generation(model, state)
+        model.create_masks_for_generate = _masks_for_generate
     model._flashcore_state = state
     return state
+
+
+def _masks_for_generate(**kwargs):
+    """The mask ``generate`` builds for each step ahead of the forward (the cache is compileable): what
+    transformers' ``create_masks_for_generate`` gives for flashcore's mask function, without the general mask
+    machinery around the call, which cost 0.1 ms of host time per step on a CPU (benchmarks/NOTES.md, entry 48).
+    transformers calls it with keywords only: ``inputs_embeds`` (``input_embeds`` in older releases), whose first two
+    sizes are the batch and the new tokens, and ``attention_mask``. A model switched to another attention since the
+    patch gets transformers' own function."""
+    embeds = kwargs.get("inputs_embeds", kwargs.get("input_embeds"))
+    if kwargs["config"]._attn_implementation != ATTENTION_IMPLEMENTATION or embeds is None:
+        return create_masks_for_generate(**kwargs)
+    batch_size, q_length = embeds.shape[:2]
+    return flashcore_padding_mask(batch_size, q_length, q_length, attention_mask=kwargs.get("attention_mask"))
 
 
 def _cache_for_forward(module, args, kwargs, tp_size: int) -> FlashCoreCache | None:
