@@ -64,3 +64,18 @@ def test_other_batch_size_names_max_batch_size(allocated_when):
     with pytest.raises(ValueError, match="max_batch_size=2"):
         run_forward(model, torch.randint(1, 101, (1, 3)), cache)
     assert torch.equal(cache.get_kv_cache(0)[2], lengths_before)
+
+
+def test_first_update_allocates_the_device_and_a_layer_in_another_dtype_is_refused():
+    """Where the cache names each layer's device, the first update allocates every layer there in its keys' dtype;
+    a later layer whose keys come in another dtype is refused by name, before its row is written."""
+    model = tiny_llama()
+    cache = FlashCoreCache(model.config, max_cache_len=16, device="cpu")
+    keys = torch.randn(1, 2, 3, 16)
+    cache.in_patched_forward = True  # what a patched decoder's pre-hook announces
+    cache.update(keys, keys, 0)
+    assert all(layer.is_initialized and layer.dtype == torch.float32 for layer in cache.layers)
+    lengths_before = cache.get_kv_cache(1)[2].clone()
+    with pytest.raises(ValueError, match=r"torch.float32 keys in layer 1.*torch.float64.*dtype="):
+        cache.update(keys.double(), keys.double(), 1)
+    assert torch.equal(cache.get_kv_cache(1)[2], lengths_before)
