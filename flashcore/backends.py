@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 
 import torch
 
@@ -18,9 +19,22 @@ BACKENDS = ("auto", "triton", "torch")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+_interpreter_at_import: bool | None = None  # TRITON_INTERPRET as triton read it, once triton is imported
+
+
 def triton_interpreter_enabled() -> bool:
-    """Whether Triton runs kernels on the CPU (``TRITON_INTERPRET=1``, which must be set before triton is imported)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether Triton runs kernels on the CPU (``TRITON_INTERPRET=1``, which must be set before triton is imported).
+
+    Read from the environment until triton is imported, and fixed from then on, as it is for triton: every CPU call
+    asks this (``"auto"`` picks its backend by it), and the environment lookup was part of a decode step's host time.
+    """
+    global _interpreter_at_import
+    if _interpreter_at_import is not None:
+        return _interpreter_at_import
+    enabled = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if "triton" in sys.modules:
+        _interpreter_at_import = enabled
+    return enabled
 
 
 def on_device_of(tensor: torch.Tensor):
@@ -29,8 +43,11 @@ def on_device_of(tensor: torch.Tensor):
     on the first one and read the wrong memory. A no-op for a CPU tensor or one already on the current device."""
     index = tensor.get_device()
     if index < 0 or index == torch.cuda.current_device():
-        return contextlib.nullcontext()
+        return _STAY
     return torch.cuda.device(index)
+
+
+_STAY = contextlib.nullcontext()  # reusable: one object for every call that stays where it is
 
 
 _as_captured = False  # set by kernels_as_captured(); one flag per process, as flashcore runs one stream per device
@@ -73,6 +90,8 @@ def _cuda_is_available() -> bool:
 def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
     """``"auto"`` → ``"triton"`` on CUDA or under the interpreter, ``"torch"`` otherwise; a named backend is checked
     against the tensor's device and returned. Nothing ever falls back from one backend to the other."""
+    if backend == "torch":  # runs anywhere
+        return backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     runs_triton = tensor.is_cuda or triton_interpreter_enabled()

@@ -86,6 +86,7 @@ def test_programmatic_launch_only_where_it_runs(device_type, capability, interpr
     """Kernels are launched with PDL (and compiled with their gdc_wait branch) only on sm_90+ outside the
     interpreter; everywhere else the USE_PDL branch is compiled out."""
     monkeypatch.setenv("TRITON_INTERPRET", interpreter)
+    monkeypatch.setattr(flashcore.backends, "_interpreter_at_import", None)  # read the variable again, once
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     uses_programmatic_launch.cache_clear()
     try:
