@@ -58,3 +58,39 @@ def test_auto_compile_matches_eager_on_gpu(backend, generator, request):
         )  # fmt: skip
     remove_flashcore(model)
     assert torch.equal(outputs["eager"], outputs["compiled"])
+
+
+_FIRST_DECODE_COMPILED = """
+import torch
+from hf_models import bf16_llama
+from flashcore.integrations.llama import apply_flashcore_to_llama
+
+sizes = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=1024)
+model = apply_flashcore_to_llama(bf16_llama(0, torch.device("cuda"), **sizes))
+prompt = torch.randint(1, 1024, (1, 512), device="cuda")
+outs = [model.generate(prompt, max_new_tokens=8, do_sample=False) for _ in range(2)]
+assert outs[0].shape == (1, 520) and torch.equal(outs[0], outs[1]), outs
+print("ok")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="generate compiles its decode step with CUDA graphs on CUDA only")
+def test_compiled_generate_whose_first_decode_allocates_the_split_scratch():
+    """HF's compiled generate at B=1 in a fresh process, whose first flashcore decode step is a compiled one and the
+    first to need the split-KV scratch: two calls run and agree. The scratch used to be allocated inside a warm-up
+    run of the CUDA-graph trees, in their private pool, and the next recording refused it ("tensors in the
+    cudagraph pool not tracked as outputs")."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    result = subprocess.run(
+        [sys.executable, "-c", _FIRST_DECODE_COMPILED],
+        cwd=Path(__file__).parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

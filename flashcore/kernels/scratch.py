@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 _scratch_by_key: dict[tuple[str, torch.device], torch.Tensor] = {}
@@ -21,13 +23,35 @@ def scratch_buffer(name: str, numel: int, dtype: torch.dtype, device: torch.devi
     buffer = _scratch_by_key.get((name, device))
     if buffer is not None and buffer.numel() >= numel:
         return buffer
-    buffer = torch.zeros(max(numel, 1024), dtype=dtype, device=device)
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        old = _scratch_by_key.get((name, device))
-        if old is not None:
-            _retired_scratch.append(old)
-        _scratch_by_key[(name, device)] = buffer
+    numel = max(numel, 1024)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(numel, dtype=dtype, device=device)
+    buffer = _allocate_outside_graph_pools(numel, dtype, device)
+    old = _scratch_by_key.get((name, device))
+    if old is not None:
+        _retired_scratch.append(old)
+    _scratch_by_key[(name, device)] = buffer
     return buffer
+
+
+def _allocate_outside_graph_pools(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros from the caching allocator's default pool, also inside a warm-up run of torch.compile's CUDA-graph trees.
+
+    A warm-up run sends every allocation of its thread to the trees' private pool, and a persistent buffer kept from
+    there makes the next recording fail ("tensors in the cudagraph pool not tracked as outputs"): HF's compiled
+    ``generate`` did at B=1 when its first flashcore decode step, the first to need the split-KV scratch, was a
+    compiled one (benchmarks/NOTES.md, entry 48). Another thread's allocation stays in the default pool; the zeroing
+    runs on the caller's stream, before the caller's next kernel.
+    """
+    if device.type != "cuda":
+        return torch.zeros(numel, dtype=dtype, device=device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    allocated = []
+    thread = threading.Thread(target=lambda: allocated.append(torch.empty(numel, dtype=dtype, device=device)))
+    thread.start()
+    thread.join()
+    return allocated[0].zero_()
 
 
 _partial_views: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
