@@ -52,7 +52,7 @@ def run(call: KernelCall) -> torch.Tensor:
         k_cache[:, :, start : start + num_new] = key
         v_cache[:, :, start : start + num_new] = value
         # The cache's copy even where the row was empty: HF's new keys are [B, S, H, D] storage, whose strided heads
-        # SDPA read 1.4% slower than the cache's rows at a 3,000-token prefill (benchmarks/NOTES.md, entry 48).
+        # SDPA read 1.0% slower than the cache's rows at a 3,000-token prefill (benchmarks/NOTES.md, entry 48).
         keys, values = k_cache.narrow(2, 0, start + num_new), v_cache.narrow(2, 0, start + num_new)
         out = _attend(query, keys, values, start, is_causal, scale, sliding_window)
         seq_lens.fill_(start + num_new)  # every row held `start`: the same as add_, with less host time
@@ -116,8 +116,8 @@ def _attend(
             mask &= slots > positions - sliding_window
     if mask is None and num_new == 1 and kv_len >= MATMUL_DECODE_MIN_KV_LEN:
         # Long decode: two batched GEMMs over the packed query heads and a softmax between them. On the CPU this beat
-        # SDPA's kernel from about 1k cached tokens on (SmolLM2's shape at 3k: 23.9 against 26.9 ms per step of a
-        # 30-layer model whose projections are negligible; benchmarks/NOTES.md, entry 48).
+        # SDPA's kernel from about 1k cached tokens on (SmolLM2's attention at 3k: 25.2 against 29.4 ms per step of a
+        # 30-layer model with a narrow MLP; benchmarks/NOTES.md, entry 48).
         packed = query.reshape(batch, num_kv_heads, group, head_dim)
         scores = torch.matmul(packed, keys.transpose(-1, -2)).mul_(scale)
         return torch.matmul(scores.softmax(dim=-1), values).view(batch, num_q_heads, 1, head_dim)
