@@ -262,7 +262,7 @@ def _patch(model: PreTrainedModel, decoder: torch.nn.Module, backend: str) -> _F
 def _masks_for_generate(**kwargs):
     """The mask ``generate`` builds for each step ahead of the forward (the cache is compileable): what
     transformers' ``create_masks_for_generate`` gives for flashcore's mask function, without the general mask
-    machinery around the call, which cost 0.1 ms of host time per step on a CPU (benchmarks/NOTES.md, entry 48).
+    machinery around the call, host time on every step (benchmarks/NOTES.md, entry 48).
     transformers calls it with keywords only: ``inputs_embeds`` (``input_embeds`` in older releases), whose first two
     sizes are the batch and the new tokens, and ``attention_mask``. A model switched to another attention since the
     patch gets transformers' own function."""
