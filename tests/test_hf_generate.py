@@ -231,3 +231,31 @@ def test_same_attention_architectures_match_stock(architecture, request, generat
     expected = model.generate(input_ids, **greedy)
     apply_flashcore_to_llama(model, backend="torch")
     assert torch.equal(model.generate(input_ids, **greedy), expected)
+
+
+@pytest.mark.parametrize("lengths", [[6, 6], [6, 3]])
+@pytest.mark.parametrize("num_new", [1, 6])
+@torch.no_grad()
+def test_mask_hook_gives_what_transformers_builds(model, lengths, num_new, generator, device):
+    """The ``create_masks_for_generate`` a patched model carries returns what transformers' own function returns for
+    it (padded rows and not, prefill and decode); a model switched to another attention gets transformers' result."""
+    from transformers.masking_utils import create_masks_for_generate
+
+    apply_flashcore_to_llama(model, backend="torch")
+    _, attention_mask = random_prompts(lengths, generator, device)
+    cache = FlashCoreCache(model.config, max_cache_len=16)
+    patched_attention = model.config._attn_implementation
+    try:
+        for attention in (patched_attention, "sdpa"):
+            model.config._attn_implementation = attention  # "sdpa": as if switched after the patch
+            kwargs = dict(
+                config=model.config,
+                inputs_embeds=torch.empty((len(lengths), num_new, 0), dtype=model.dtype, device=device),
+                attention_mask=attention_mask,
+                cache=cache,
+                position_ids=None,
+            )
+            expected, got = create_masks_for_generate(**kwargs), model.create_masks_for_generate(**kwargs)
+            assert (got is None and expected is None) or torch.equal(got, expected)
+    finally:
+        model.config._attn_implementation = patched_attention
