@@ -139,6 +139,78 @@ def attention_with_kv_cache(
     return out, past_key_value
 
 
+class AttentionPlan:
+    """:func:`attention_with_kv_cache` split in two for a model's layers, as FlashInfer splits ``plan`` from ``run``.
+
+    In one forward a decoder's layers each make the same call, alike in all but their tensors' data: the same shapes,
+    dtypes, devices and strides, each layer on its own cache. Constructing a plan validates one such call as
+    ``attention_with_kv_cache`` does (its metadata checks; nothing is written) and picks its kernel from the table;
+    :meth:`run` then launches that kernel on any layer's tensors, with the contract's effects, and checks nothing.
+    Per layer, the checks and the table walk were host time as long as a short CPU decode step's attention kernel
+    (benchmarks/NOTES.md, entry 49).
+
+    The caller keys its plans by :func:`plan_key` of each call's query, key, value and options, so a call runs on a
+    plan made for a call like it; it vouches for the cache tensors (alike across its layers: the same
+    ``allocate_kv_cache`` sizes, dtype and device) and checks their capacity itself, as
+    :class:`~flashcore.integrations.cache.FlashCoreCache` does. Eager calls only: under CUDA-graph capture or while
+    ``torch.compile`` traces, call ``attention_with_kv_cache``, whose checks run once, at capture or trace time.
+    """
+
+    __slots__ = ("kernel", "scale")
+
+    def __init__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        past_key_value: KVCache,
+        *,
+        query_lens: torch.Tensor | None = None,
+        scale: float | None = None,
+        backend: str = "auto",
+    ) -> None:
+        k_cache, v_cache, seq_lens = past_key_value
+        resolved_backend = resolve_backend(backend, query)
+        _validate_metadata(query, key, value, k_cache, v_cache, seq_lens, query_lens, scale, None)
+        self.scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+        kernels = _kernels()
+        call = kernels.KernelCall(query, key, value, k_cache, v_cache, seq_lens, query_lens, True, self.scale, 0)
+        self.kernel = kernels.select_kernel(call, resolved_backend)
+
+    def run(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        past_key_value: KVCache,
+        query_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Causal attention with the append, as ``attention_with_kv_cache(...)[0]``; no checks (see the class)."""
+        k_cache, v_cache, seq_lens = past_key_value
+        call = _kernels().KernelCall(query, key, value, k_cache, v_cache, seq_lens, query_lens, True, self.scale, 0)
+        with on_device_of(query):
+            return self.kernel.run(call)
+
+
+def plan_key(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_lens: torch.Tensor | None,
+    scale: float | None,
+    backend: str,
+) -> tuple:
+    """What an :class:`AttentionPlan`'s checks and kernel choice read of a call, but for the cache tensors: two calls
+    with one key run on one plan."""
+    lengths = query_lens
+    if query_lens is not None:
+        lengths = (query_lens.shape, query_lens.dtype, query_lens.stride(), query_lens.device)
+    return (
+        query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(),
+        query.dtype, key.dtype, value.dtype, query.device, key.device, value.device, lengths, scale, backend,
+    )  # fmt: skip
+
+
 @torch.library.custom_op("flashcore::attention_with_kv_cache", mutates_args=("k_cache", "v_cache", "seq_lens"))
 def _attention_with_kv_cache_op(
     query: torch.Tensor,

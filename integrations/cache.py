@@ -20,11 +20,12 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from flashcore import ops
 from flashcore.backends import BACKENDS, is_capturing_or_tracing
 from flashcore.cache import KVCache, allocate_kv_cache, rollback
-from flashcore.ops import attention_with_kv_cache
 
 DeviceLike = torch.device | str | int
+MAX_PLANS = 64  # ops.AttentionPlans a FlashCoreCache keeps (each a kernel and a scale); past it, it starts over
 # What FlashCoreCache reads of a config to size its layers (LlamaConfig's names).
 _LLAMA_CONFIG_FIELDS = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size")
 
@@ -208,6 +209,8 @@ class FlashCoreCache(Cache):
         # forward that no patched decoder announced, whose stock attention would never see the cached tokens.
         self.in_patched_forward = False
         self.backend = backend
+        # append_and_attend's validated calls, one per kind (prefill, decode, device): ops.AttentionPlan.
+        self._plans: dict[tuple, ops.AttentionPlan] = {}
         if max_batch_size is not None and dtype is not None and device is not None:
             for layer_idx, layer_device in enumerate(self._devices):
                 empty = torch.empty((max_batch_size, num_kv_heads, 0, head_dim), dtype=dtype, device=layer_device)
@@ -282,7 +285,9 @@ class FlashCoreCache(Cache):
         with one. Under CUDA-graph capture and while ``torch.compile`` traces no host read is allowed and none is
         made (``generate`` has checked the whole call up front, and the kernel never writes past capacity anyway).
         The last layer advances the logical length by ``S_q`` (pads included). ``backend`` is used unless the cache
-        was built with its own.
+        was built with its own. An eager call is validated and its kernel picked once per kind of call (prefill,
+        decode, device), not once per layer: an :class:`flashcore.ops.AttentionPlan`, which this cache may use
+        because it allocates every layer of a device alike.
         """
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
@@ -290,16 +295,24 @@ class FlashCoreCache(Cache):
         num_new = query.shape[2]
         if layer_idx == 0:
             self._check_capacity(layer, num_new)
-        out, _ = attention_with_kv_cache(
-            query,
-            key,
-            value,
-            (layer.keys, layer.values, layer.seq_lens),
-            query_lens=query_lens,
-            scale=scale,
-            backend=self.backend or backend,
-            check=False,  # checked above, once per forward rather than once per layer
-        )
+        backend = self.backend or backend
+        cache = (layer.keys, layer.values, layer.seq_lens)
+        if is_capturing_or_tracing():  # checked once, at capture or trace time
+            out, _ = ops.attention_with_kv_cache(
+                query, key, value, cache, query_lens=query_lens, scale=scale, backend=backend, check=False
+            )
+        else:
+            # Validated and dispatched once per kind of call rather than once per layer: this cache allocates all of
+            # a device's layers alike, and the plan's key covers the rest of what the op would check.
+            plan_key = ops.plan_key(query, key, value, query_lens, scale, backend)
+            plan = self._plans.get(plan_key)
+            if plan is None:
+                if len(self._plans) >= MAX_PLANS:  # a new prompt length makes a new kind of call
+                    self._plans.clear()
+                plan = self._plans[plan_key] = ops.AttentionPlan(
+                    query, key, value, cache, query_lens=query_lens, scale=scale, backend=backend
+                )
+            out = plan.run(query, key, value, cache, query_lens)
         if layer_idx == len(self.layers) - 1:
             for logical_length in self._logical_lengths.values():
                 logical_length.add_(num_new)

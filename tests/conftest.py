@@ -65,21 +65,27 @@ def poison_(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.fill_(float("nan"))
 
 
-@pytest.fixture
-def kernels_run(monkeypatch) -> list[str]:
-    """The ``NAME`` of every attention kernel ops dispatches to, in call order (``flashcore.kernels.select_kernel``
-    is wrapped, so the real kernel still runs)."""
+def record_kernel_runs(monkeypatch, record) -> None:
+    """Wraps the ``run`` of every kernel in ``flashcore.kernels.ATTENTION_KERNELS`` so that each call first hands
+    ``(backend, kernel, call)`` to ``record``; the real kernel still runs. Every eager path to a kernel (the op, an
+    ``ops.AttentionPlan``) and a compiled graph's first trace end in its ``run``; CUDA-graph replays run no Python."""
     import flashcore.kernels
 
+    for backend, row in flashcore.kernels.ATTENTION_KERNELS.items():
+        for kernel in row:
+
+            def recording_run(call, kernel=kernel, backend=backend, run=kernel.run):
+                record(backend, kernel, call)
+                return run(call)
+
+            monkeypatch.setattr(kernel, "run", recording_run)
+
+
+@pytest.fixture
+def kernels_run(monkeypatch) -> list[str]:
+    """The ``NAME`` of every attention kernel that runs, in call order (:func:`record_kernel_runs`)."""
     names: list[str] = []
-    select_kernel = flashcore.kernels.select_kernel
-
-    def recording_select_kernel(call, backend):
-        kernel = select_kernel(call, backend)
-        names.append(kernel.NAME)
-        return kernel
-
-    monkeypatch.setattr(flashcore.kernels, "select_kernel", recording_select_kernel)
+    record_kernel_runs(monkeypatch, lambda backend, kernel, call: names.append(kernel.NAME))
     return names
 
 
@@ -102,14 +108,11 @@ def torch_kernel(request, monkeypatch) -> str | None:
     if name != row[0].NAME:
         monkeypatch.setitem(flashcore.kernels.ATTENTION_KERNELS, "torch", tuple(k for k in row if k.NAME == name))
     torch_kernels_run: list[str] = []
-    select_kernel = flashcore.kernels.select_kernel
 
-    def recording_select_kernel(call, backend):
-        kernel = select_kernel(call, backend)
+    def record(backend, kernel, call):
         if backend == "torch":
             torch_kernels_run.append(kernel.NAME)
-        return kernel
 
-    monkeypatch.setattr(flashcore.kernels, "select_kernel", recording_select_kernel)
+    record_kernel_runs(monkeypatch, record)
     yield name
     assert torch_kernels_run and set(torch_kernels_run) == {name}, f"expected {name} to run, got {torch_kernels_run}"

@@ -9,9 +9,9 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from conftest import record_kernel_runs
 from hf_models import seed_of, tiny_llama
 
-import flashcore.kernels
 from flashcore.integrations.llama import remove_flashcore
 
 
@@ -36,19 +36,13 @@ class Launch(NamedTuple):
 
 @pytest.fixture
 def launches(monkeypatch) -> list[Launch]:
-    """Every attention call while the test runs, in order.
-
-    ``flashcore.ops`` looks ``flashcore.kernels.select_kernel`` up at call time, so wrapping it sees every call that
-    runs Python (eager ones, and a compiled graph's first trace, not CUDA-graph replays); the real kernel still runs.
-    """
+    """Every attention call while the test runs, in order (conftest's ``record_kernel_runs``: eager calls, and a
+    compiled graph's first trace, not CUDA-graph replays)."""
     seen = []
-    select_kernel = flashcore.kernels.select_kernel
 
-    def recording_select_kernel(call, backend):
-        kernel = select_kernel(call, backend)
+    def record(backend, kernel, call):
         query_lens = None if call.query_lens is None else call.query_lens.clone()  # no host read during a capture
         seen.append(Launch(backend, call.query.shape[2], kernel.NAME, query_lens))
-        return kernel
 
-    monkeypatch.setattr(flashcore.kernels, "select_kernel", recording_select_kernel)
+    record_kernel_runs(monkeypatch, record)
     return seen

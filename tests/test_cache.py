@@ -8,6 +8,7 @@ from conftest import DTYPES, TOLERANCES, poison_, randn
 from oracle import attention_oracle
 
 import flashcore
+from flashcore.ops import AttentionPlan
 
 BACKENDS = ["torch", "triton"]
 
@@ -38,6 +39,50 @@ def test_allocate_kv_cache_rejects_bad_sizes(name, value):
     sizes[name] = value
     with pytest.raises(ValueError, match=name):
         flashcore.allocate_kv_cache(*sizes.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_new", [1, 3])
+def test_attention_plan_runs_every_layer_as_the_op(backend, dtype, num_new, device, generator):
+    """An AttentionPlan made from one layer's call runs the other layers' calls as attention_with_kv_cache would:
+    each layer's own cache is appended to and attended, against the fp64 oracle, garbage past the rows never read."""
+    num_layers, batch, capacity, head_dim = 3, 2, 12, 16
+    cached = [5, 2]
+    caches = [
+        flashcore.allocate_kv_cache(batch, 2, capacity, head_dim, dtype=dtype, device=device) for _ in range(num_layers)
+    ]
+
+    def draw(heads, length):
+        return randn((batch, heads, length, head_dim), generator=generator, dtype=dtype, device=device)
+
+    prefixes = []
+    for k_cache, v_cache, seq_lens in caches:
+        poison_(k_cache)
+        poison_(v_cache)
+        keys, values = draw(2, max(cached)), draw(2, max(cached))
+        for row, length in enumerate(cached):
+            k_cache[row, :, :length], v_cache[row, :, :length] = keys[row, :, :length], values[row, :, :length]
+        seq_lens.copy_(torch.tensor(cached))
+        prefixes.append((keys, values))
+    steps = [(draw(4, num_new), draw(2, num_new), draw(2, num_new)) for _ in range(num_layers)]
+    plan = AttentionPlan(*steps[0], caches[0], backend=backend)
+    for (query, key, value), cache, (keys, values) in zip(steps, caches, prefixes, strict=True):
+        out = plan.run(query, key, value, cache)
+        assert cache[2].tolist() == [length + num_new for length in cached]
+        all_keys = [torch.cat([keys[b, :, :n], key[b]], dim=1) for b, n in enumerate(cached)]
+        all_values = [torch.cat([values[b, :, :n], value[b]], dim=1) for b, n in enumerate(cached)]
+        expected = attention_oracle(query, all_keys, all_values, cached, [num_new] * batch, is_causal=True)
+        torch.testing.assert_close(out.double(), expected, atol=TOLERANCES[dtype], rtol=0)
+
+
+def test_attention_plan_checks_the_call_it_is_made_from(device):
+    """The plan validates the call it is made from as the op does, with the op's message."""
+    k_cache, v_cache, seq_lens = flashcore.allocate_kv_cache(1, 2, 8, 16, dtype=torch.float32, device=device)
+    query = torch.zeros(1, 3, 1, 16, device=device)  # 3 query heads over 2 KV heads
+    key = torch.zeros(1, 2, 1, 16, device=device)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        AttentionPlan(query, key, key, (k_cache, v_cache, seq_lens))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
