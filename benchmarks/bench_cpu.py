@@ -22,8 +22,9 @@ processes decide; the CPU time does not, so its ratio is the steadier measure of
 timing, one warm-up generate per path and prompt length also checks that the greedy tokens agree and how far apart
 the logits are.
 
-    python benchmarks/bench_cpu.py                  # ~5 min on a 2-core machine
-    python benchmarks/bench_cpu.py --prompt-lens 40 --repeats 3 --out /tmp/x   # quick look
+    python benchmarks/bench_cpu.py                          # ~4 min on a 2-core machine
+    python benchmarks/bench_cpu.py --repeats 41,11          # the README's run, ~8 min
+    python benchmarks/bench_cpu.py --prompt-lens 40 --repeats 3 --out DIR   # quick look
 """
 
 from __future__ import annotations
@@ -140,14 +141,15 @@ def measure(model, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:
     return samples
 
 
-def rows_of(prompt_len: int, new_tokens: int, timings: dict) -> list[dict]:
+def rows_of(prompt_len: int, new_tokens: int, timings: dict, repeats: int) -> list[dict]:
     """The prefill and decode rows of one prompt length: medians of the wall clock, and of the CPU time (``_cpu``)."""
     stock, flashcore = timings["stock"], timings["flashcore"]
-    prefill = {"row": f"prefill {prompt_len} tokens", "unit": "s"}
+    prefill = {"row": f"prefill {prompt_len} tokens", "unit": "s", "repeats": repeats}
     decode = {
         "row": f"decode at {prompt_len} tokens of context",
         "context": f"{prompt_len + 1}-{prompt_len + new_tokens - 1}",
         "unit": "ms/step",
+        "repeats": repeats,
     }
     for row, keys in ((prefill, ("prefill_s", "prefill_cpu_s")), (decode, ("decode_ms", "decode_cpu_ms"))):
         for suffix, key in zip(("", "_cpu"), keys, strict=True):
@@ -163,7 +165,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", help="result folder (default: $OUT, else benchmarks/results)")
     parser.add_argument("--prompt-lens", default="40,3000", help="comma-separated prompt lengths (random token ids)")
     parser.add_argument("--new-tokens", type=int, default=17, help="greedy tokens per generate (decode steps + 1)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed generates per path and prompt length")
+    parser.add_argument(
+        "--repeats",
+        default="21,5",
+        help="timed generates per path: one count for every prompt length, or one per length (comma-separated); a "
+        "short prompt's prefill is one sample of ~0.1 s per generate, so it takes more to settle its median",
+    )
     # One thread by default: on a shared host, a second OpenMP thread stalls every op's barrier whenever another
     # process holds its core, which swamped the difference between the paths in trial runs.
     parser.add_argument("--threads", type=int, default=1, help="torch threads, fixed for the whole run")
@@ -182,16 +189,22 @@ def main(args: argparse.Namespace) -> None:
     payload.update(environment=environment, settings=vars(args), agreement={}, samples={}, rows=[])
     harness.log(f"bench_cpu: {torch.get_num_threads()} torch threads, results -> {json_path}")
 
+    prompt_lens = [int(n) for n in args.prompt_lens.split(",")]
+    repeats = [int(n) for n in args.repeats.split(",")]
+    if len(repeats) == 1:
+        repeats *= len(prompt_lens)
+    if len(repeats) != len(prompt_lens):
+        raise SystemExit(f"--repeats gives {len(repeats)} counts for {len(prompt_lens)} prompt lengths")
     model = load_model()
     generator = torch.Generator().manual_seed(args.seed)
     with torch.inference_mode():
-        for prompt_len in (int(n) for n in args.prompt_lens.split(",")):
+        for prompt_len, prompt_repeats in zip(prompt_lens, repeats, strict=True):
             prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), generator=generator)
             payload["agreement"][prompt_len] = agreement = check_agreement(model, prompt, args.new_tokens)
             harness.log(f"  {prompt_len} tokens: greedy tokens equal: {agreement['tokens_equal']}")
-            timings = measure(model, prompt, args.new_tokens, args.repeats)
+            timings = measure(model, prompt, args.new_tokens, prompt_repeats)
             payload["samples"][prompt_len] = timings
-            for row in rows_of(prompt_len, args.new_tokens, timings):
+            for row in rows_of(prompt_len, args.new_tokens, timings, prompt_repeats):
                 payload["rows"].append(row)
                 harness.log(
                     f"  {row['row']}: stock {row['stock']:.4g} {row['unit']}, flashcore {row['flashcore']:.4g} "

@@ -277,13 +277,25 @@ def _cpu_time(row: dict, side: str) -> str:
     return f"{row[side]:.1f} ms/step ({1e3 / row[side]:.1f} tok/s)"
 
 
+def _cpu_repeats(payload: dict) -> str:
+    """``11``, or ``41 (40 tokens) and 11 (3,000 tokens)`` where the prompt lengths had their own counts."""
+    counts = {}
+    for row in payload["rows"]:
+        length = row["row"].split()[1] if row["row"].startswith("prefill") else None
+        if length is not None:
+            counts[f"{int(length):,} tokens"] = row.get("repeats", payload["settings"]["repeats"])
+    if len(set(counts.values())) <= 1:
+        return str(payload["settings"]["repeats"]).split(",")[0]
+    return " and ".join(f"{count} ({length})" for length, count in counts.items())
+
+
 def cpu_block(payload: dict, json_name: str = "bench_cpu.json") -> str:
     """The run line and one row per ``bench_cpu`` row: both sides' medians and their ratio (wall clock)."""
-    env, settings = payload["environment"], payload["settings"]
+    env = payload["environment"]
     versions = ", ".join(f"{name} {env[name]}" for name in ("torch", "transformers") if env.get(name))
     lines = [
         f"`bench_cpu.py`: commit {env['git_commit'][:7]}, run {env['date'][:10]} on a {env.get('cpu_count')}-core "
-        f"machine ({versions}), {env.get('torch_threads')} torch thread, medians of {settings['repeats']} "
+        f"machine ({versions}), {env.get('torch_threads')} torch thread, medians of {_cpu_repeats(payload)} "
         f"interleaved repetitions; {_raw_data(json_name)}. The ratio is stock time over flashcore time.",
         "",
         "| row | stock | flashcore | stock ÷ flashcore |",
