@@ -49,30 +49,7 @@ def allocate_kv_cache(
     Returns:
         ``(k_cache, v_cache, seq_lens)`` with ``seq_lens`` int32 zeros of shape ``[batch_size]``.
     """
-    return allocate_kv_caches(1, batch_size, num_kv_heads, max_len, head_dim, dtype=dtype, device=device)[0]
-
-
-ALIGNMENT_BYTES = 256  # the spacing of allocate_kv_caches' tensors; TMA and Triton's fast path ask 16-byte starts
-
-
-def allocate_kv_caches(
-    count: int,
-    batch_size: int,
-    num_kv_heads: int,
-    max_len: int,
-    head_dim: int,
-    *,
-    dtype: torch.dtype = torch.float16,
-    device: torch.device | str | None = None,
-) -> list[KVCache]:
-    """``count`` caches as :func:`allocate_kv_cache` makes them (the same shapes, strides and layout), in two
-    allocations: one buffer holds every K and V, another every ``seq_lens``, each tensor a multiple of
-    ``ALIGNMENT_BYTES`` from its buffer's start (which the allocator aligns: 512 bytes on CUDA, 64 on the CPU).
-
-    A model's layers take one call instead of three allocations each, which a short CPU prefill of a 30-layer model
-    felt (benchmarks/NOTES.md, entry 49). The caches are views, so the buffers live while any of them does."""
     for name, value in (
-        ("count", count),
         ("batch_size", batch_size),
         ("num_kv_heads", num_kv_heads),
         ("max_len", max_len),
@@ -80,29 +57,16 @@ def allocate_kv_caches(
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    on_cuda = (torch.device(device) if device is not None else torch.get_default_device()).type == "cuda"
-    if on_cuda:  # [B, S_max, H_kv, D] storage, seen as [B, H_kv, S_max, D] (see allocate_kv_cache)
+    if (torch.device(device) if device is not None else torch.get_default_device()).type == "cuda":
         storage_shape = (batch_size, max_len, num_kv_heads, head_dim)
+        k_cache = torch.empty(storage_shape, dtype=dtype, device=device).transpose(1, 2)
+        v_cache = torch.empty(storage_shape, dtype=dtype, device=device).transpose(1, 2)
     else:
-        storage_shape = (batch_size, num_kv_heads, max_len, head_dim)
-    buffers = _aligned_views(2 * count, storage_shape, dtype, device, torch.empty)
-    if on_cuda:
-        buffers = [buffer.transpose(1, 2) for buffer in buffers]
-    lengths = _aligned_views(count, (batch_size,), SEQ_LENS_DTYPE, device, torch.zeros)
-    return [(buffers[2 * index], buffers[2 * index + 1], lengths[index]) for index in range(count)]
-
-
-def _aligned_views(count: int, shape: tuple[int, ...], dtype, device, factory) -> tuple[torch.Tensor, ...]:
-    """``count`` contiguous tensors of ``shape`` from one ``factory`` call, ``ALIGNMENT_BYTES`` apart or more."""
-    numel, step = 1, ALIGNMENT_BYTES // dtype.itemsize
-    for size in shape:
-        numel *= size
-    spacing = -(-numel // step) * step
-    strides = [1] * len(shape)
-    for dim in range(len(shape) - 2, -1, -1):
-        strides[dim] = strides[dim + 1] * shape[dim + 1]
-    flat = factory(count * spacing, dtype=dtype, device=device)
-    return flat.as_strided((count, *shape), (spacing, *strides)).unbind(0)
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        k_cache = torch.empty(shape, dtype=dtype, device=device)
+        v_cache = torch.empty(shape, dtype=dtype, device=device)
+    seq_lens = torch.zeros(batch_size, dtype=SEQ_LENS_DTYPE, device=device)
+    return k_cache, v_cache, seq_lens
 
 
 def reset_kv_cache(cache: KVCache) -> None:

@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from flashcore import ops
 from flashcore.backends import BACKENDS, is_capturing_or_tracing
-from flashcore.cache import KVCache, allocate_kv_caches, rollback
+from flashcore.cache import KVCache, allocate_kv_cache, rollback
 
 DeviceLike = torch.device | str | int
 MAX_PLANS = 64  # ops.AttentionPlans a FlashCoreCache keeps (each a kernel and a scale); past it, it starts over
@@ -53,20 +53,19 @@ class FlashCoreLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise NotImplementedError("a FlashCoreLayer is allocated by its FlashCoreCache (it shares the logical length)")
 
-    def check_key_states(self, key_states: torch.Tensor) -> None:
-        """Refuses keys (``[B, H_kv, *, D]``) whose heads or head dim this layer was not built for."""
-        _, num_kv_heads, _, head_dim = key_states.shape
+    def allocate(self, key_states: torch.Tensor, logical_length: torch.Tensor) -> None:
+        """Allocates the 3-tuple for keys like ``key_states`` (``[B, H_kv, *, D]``) on their device and dtype."""
+        batch_size, num_kv_heads, _, head_dim = key_states.shape
         if (num_kv_heads, head_dim) != (self.num_kv_heads, self.head_dim):
             raise ValueError(
                 f"FlashCoreCache was built for {self.num_kv_heads} KV heads of dim {self.head_dim} (the config's, over "
                 f"tp_size) but got key states {tuple(key_states.shape)}; build the cache from this model's config, "
                 f"with tp_size=<the tensor-parallel degree> for a model loaded with a tp_plan"
             )
-
-    def hold(self, kv_cache: KVCache, logical_length: torch.Tensor) -> None:
-        """Takes ``kv_cache``, allocated for this layer's sizes, as its 3-tuple."""
-        self.keys, self.values, self.seq_lens = kv_cache
-        self.batch_size, self.dtype, self.device = self.keys.shape[0], self.keys.dtype, self.keys.device
+        self.batch_size, self.dtype, self.device = batch_size, key_states.dtype, key_states.device
+        self.keys, self.values, self.seq_lens = allocate_kv_cache(
+            batch_size, num_kv_heads, self.max_cache_len, head_dim, dtype=self.dtype, device=self.device
+        )
         self.logical_length = logical_length
         _mark_static_addresses(self.keys, self.values, self.seq_lens)
         self.is_initialized = True
@@ -214,9 +213,8 @@ class FlashCoreCache(Cache):
         self._plans: dict[tuple, ops.AttentionPlan] = {}
         if max_batch_size is not None and dtype is not None and device is not None:
             for layer_idx, layer_device in enumerate(self._devices):
-                if not layers[layer_idx].is_initialized:  # allocated with an earlier layer on its device
-                    empty = torch.empty((max_batch_size, num_kv_heads, 0, head_dim), dtype=dtype, device=layer_device)
-                    self._allocate_layer(layer_idx, empty)
+                empty = torch.empty((max_batch_size, num_kv_heads, 0, head_dim), dtype=dtype, device=layer_device)
+                self._allocate_layer(layer_idx, empty)
 
     @property
     def max_cache_len(self) -> int:
@@ -393,25 +391,14 @@ class FlashCoreCache(Cache):
         if device not in self._logical_lengths:
             self._logical_lengths[device] = torch.zeros((), dtype=torch.int64, device=device)
             _mark_static_addresses(self._logical_lengths[device])
-        # The other layers declared on this device as well, like this one, in one allocation: a burst at the first
-        # forward, not allocations between each two layers (NOTES.md, entries 48 and 49).
-        layers = [self.layers[layer_idx]]
-        if self._devices[layer_idx] is not None:
-            layers += [
-                layer
-                for layer, declared in zip(self.layers, self._devices, strict=True)
-                if not layer.is_initialized
-                and declared is not None
-                and _is_same_device(declared, device)
-                and layer is not layers[0]
-            ]
-        layers[0].check_key_states(key_states)  # every layer was built with the same sizes
-        batch_size, num_kv_heads, _, head_dim = key_states.shape
-        kv_caches = allocate_kv_caches(
-            len(layers), batch_size, num_kv_heads, self._max_cache_len, head_dim, dtype=key_states.dtype, device=device
-        )
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            layer.hold(kv_cache, self._logical_lengths[device])
+        self.layers[layer_idx].allocate(key_states, self._logical_lengths[device])
+        if self._devices[layer_idx] is None:
+            return
+        # The other layers declared on this device as well, like this one: one burst at the first forward, not an
+        # allocation between each two layers (in a CPU prefill of 40 tokens those cost 0.4 ms; NOTES.md, entry 48).
+        for layer, declared in zip(self.layers, self._devices, strict=True):
+            if not layer.is_initialized and declared is not None and _is_same_device(declared, device):
+                layer.allocate(key_states, self._logical_lengths[device])
 
     def _check_first_update(self, layer_idx: int, key_states: torch.Tensor) -> None:
         expected_device = self._devices[layer_idx]

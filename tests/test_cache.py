@@ -8,7 +8,6 @@ from conftest import DTYPES, TOLERANCES, poison_, randn
 from oracle import attention_oracle
 
 import flashcore
-from flashcore.cache import allocate_kv_caches
 from flashcore.ops import AttentionPlan
 
 BACKENDS = ["torch", "triton"]
@@ -42,34 +41,6 @@ def test_allocate_kv_cache_rejects_bad_sizes(name, value):
         flashcore.allocate_kv_cache(*sizes.values())
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_allocate_kv_caches_makes_separate_caches_like_allocate_kv_cache(dtype, device):
-    """Several caches from one buffer each: every tensor as allocate_kv_cache makes it, none overlapping another,
-    each 16-byte aligned (what the Triton and TMA fast paths ask)."""
-    sizes = (3, 2, 17, 59)
-    single = flashcore.allocate_kv_cache(*sizes, dtype=dtype, device=device)
-    caches = allocate_kv_caches(4, *sizes, dtype=dtype, device=device)
-    assert len(caches) == 4
-    for cache in caches:
-        for tensor, like in zip(cache, single, strict=True):
-            assert (tensor.shape, tensor.stride(), tensor.dtype, tensor.device) == (
-                like.shape, like.stride(), like.dtype, like.device
-            )  # fmt: skip
-            assert tensor.data_ptr() % 16 == 0
-        assert cache[2].tolist() == [0, 0, 0]
-    for index, cache in enumerate(caches):  # each write lands in its own tensor only
-        for position, tensor in enumerate(cache):
-            tensor.fill_(10 * index + position)
-    for index, cache in enumerate(caches):
-        for position, tensor in enumerate(cache):
-            assert torch.all(tensor == 10 * index + position)
-
-
-def test_allocate_kv_caches_rejects_a_bad_count():
-    with pytest.raises(ValueError, match="count"):
-        allocate_kv_caches(0, 1, 1, 4, 8)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_new", [1, 3])
@@ -78,7 +49,9 @@ def test_attention_plan_runs_every_layer_as_the_op(backend, dtype, num_new, devi
     each layer's own cache is appended to and attended, against the fp64 oracle, garbage past the rows never read."""
     num_layers, batch, capacity, head_dim = 3, 2, 12, 16
     cached = [5, 2]
-    caches = allocate_kv_caches(num_layers, batch, 2, capacity, head_dim, dtype=dtype, device=device)
+    caches = [
+        flashcore.allocate_kv_cache(batch, 2, capacity, head_dim, dtype=dtype, device=device) for _ in range(num_layers)
+    ]
 
     def draw(heads, length):
         return randn((batch, heads, length, head_dim), generator=generator, dtype=dtype, device=device)
