@@ -252,7 +252,7 @@ def test_mask_hook_gives_what_transformers_builds(model, lengths, num_new, gener
                 config=model.config,
                 inputs_embeds=torch.empty((len(lengths), num_new, 0), dtype=model.dtype, device=device),
                 attention_mask=attention_mask,
-                cache=cache,
+                **{CACHE_ARGUMENT_NAME: cache},  # transformers 5.17 names it past_key_values
                 position_ids=None,
             )
             expected, got = create_masks_for_generate(**kwargs), model.create_masks_for_generate(**kwargs)
