@@ -273,7 +273,7 @@ CPU_ROW_LABELS = {
 
 def _cpu_time(row: dict, side: str) -> str:
     if row["unit"] == "s":
-        return f"{row[side]:.3g} s"
+        return f"{row[side]:#.3g} s"
     return f"{row[side]:.1f} ms/step ({1e3 / row[side]:.1f} tok/s)"
 
 
