@@ -194,7 +194,10 @@ def main(args: argparse.Namespace) -> None:
     if len(repeats) == 1:
         repeats *= len(prompt_lens)
     if len(repeats) != len(prompt_lens):
-        raise SystemExit(f"--repeats gives {len(repeats)} counts for {len(prompt_lens)} prompt lengths")
+        raise SystemExit(
+            f"--repeats gives {len(repeats)} counts and --prompt-lens {len(prompt_lens)} lengths: give one count, "
+            f"or one per length"
+        )
     model = load_model()
     generator = torch.Generator().manual_seed(args.seed)
     with torch.inference_mode():
