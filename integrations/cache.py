@@ -87,6 +87,14 @@ class FlashCoreLayer(CacheLayerMixin):
                 f"max_cache_len={longest + num_new}) or larger, or call cache.reset() to start over."
             )
 
+    def holds_keys_like(self, key_states: torch.Tensor) -> bool:
+        """Whether this layer's buffers take ``key_states``: the same dtype, device and batch."""
+        return (
+            key_states.dtype == self.dtype
+            and key_states.device == self.device
+            and key_states.shape[0] == self.batch_size
+        )
+
     def get_seq_length(self) -> torch.Tensor | int:
         return self.logical_length if self.is_initialized else 0
 
@@ -297,7 +305,9 @@ class FlashCoreCache(Cache):
             self._check_capacity(layer, num_new)
         backend = self.backend or backend
         cache = (layer.keys, layer.values, layer.seq_lens)
-        if is_capturing_or_tracing():  # checked once, at capture or trace time
+        # The op's checks run once at capture or trace time; a layer unlike the keys (a caller that skipped update()'s
+        # checks) gets the op's refusal, before anything is written.
+        if is_capturing_or_tracing() or not layer.holds_keys_like(key):
             out, _ = ops.attention_with_kv_cache(
                 query, key, value, cache, query_lens=query_lens, scale=scale, backend=backend, check=False
             )

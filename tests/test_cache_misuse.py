@@ -79,3 +79,30 @@ def test_first_update_allocates_the_device_and_a_layer_in_another_dtype_is_refus
     with pytest.raises(ValueError, match=r"torch.float32 keys in layer 1.*torch.float64.*dtype="):
         cache.update(keys.double(), keys.double(), 1)
     assert torch.equal(cache.get_kv_cache(1)[2], lengths_before)
+
+
+@pytest.mark.parametrize(
+    ("held", "planned", "message"),
+    [
+        ((1, torch.float32), (1, torch.float16), "k_cache dtype torch.float32 must match query dtype torch.float16"),
+        ((1, torch.float32), (2, torch.float32), r"k_cache/v_cache .* must be \[B=2"),
+    ],
+    ids=["dtype", "batch"],
+)
+def test_append_and_attend_refuses_keys_unlike_the_layer_after_a_plan_exists(held, planned, message):
+    """A direct append_and_attend (no update() before it) with keys of another dtype or batch than its layer holds
+    gets the op's refusal, before anything is written, although a plan for keys like them exists (made on a layer
+    that holds them: without ``device``, each layer is allocated for the keys of its own first step)."""
+    cache = FlashCoreCache(tiny_llama().config, max_cache_len=16)
+
+    def step(layer_idx, batch, dtype):
+        query, keys = torch.randn(batch, 4, 1, 16, dtype=dtype), torch.randn(batch, 2, 1, 16, dtype=dtype)
+        return cache.append_and_attend(layer_idx, query, keys, keys)
+
+    step(1, *held)  # layer 1 holds these keys
+    step(0, *planned)  # layer 0 holds the others, and plans their step
+    before = [tensor.clone() for tensor in cache.get_kv_cache(1)]
+    with pytest.raises((TypeError, ValueError), match=message):
+        step(1, *planned)
+    for was, now in zip(before, cache.get_kv_cache(1), strict=True):  # bit for bit, the garbage included
+        torch.testing.assert_close(now, was, rtol=0, atol=0, equal_nan=True)
