@@ -18,6 +18,8 @@ The attention goes through transformers' extension points; no modeling symbol is
   model to build the mask of each step ahead of the forward for a compileable cache: it calls the registered mask
   function directly (:func:`_masks_for_generate`).
 
+``input_major_weights`` changes only how the projections' weights are stored
+(:mod:`flashcore.integrations.weight_layout`).
 ``layer_kernels`` and ``fuse_projections`` change code inside the attention and MLP forwards, where transformers
 has no extension point; :mod:`flashcore.integrations.llama_forward_fork` says why and holds the one fork of those
 forwards, installed only on models that use either option.
@@ -59,6 +61,7 @@ from flashcore.backends import BACKENDS, is_capturing_or_tracing  # noqa: E402
 from flashcore.integrations import fused_projections as _fused_projections  # noqa: E402
 from flashcore.integrations import layer_kernels as _layer_kernels  # noqa: E402
 from flashcore.integrations import llama_forward_fork  # noqa: E402
+from flashcore.integrations import weight_layout as _weight_layout  # noqa: E402
 from flashcore.integrations.attention import flashcore_attention, flashcore_padding_mask  # noqa: E402
 from flashcore.integrations.cache import FlashCoreCache, check_full_attention_only  # noqa: E402
 
@@ -113,12 +116,18 @@ class _FlashCoreState:
     previous_attn_implementation: str | None
     layer_kernels: bool = False
     fuse_projections: bool = False
+    input_major_weights: bool | None = False  # as asked (None: the default's pick); False until a call converts
     hook_handles: list = field(default_factory=list)
     previous_max_cache_len: int = 0
 
 
 def apply_flashcore_to_llama(
-    model: PreTrainedModel, *, backend: str = "auto", layer_kernels: bool = False, fuse_projections: bool = False
+    model: PreTrainedModel,
+    *,
+    backend: str = "auto",
+    layer_kernels: bool = False,
+    fuse_projections: bool = False,
+    input_major_weights: bool | None = None,
 ) -> PreTrainedModel:
     """Routes every attention layer of a loaded LLaMA-family model through flashcore, in place.
 
@@ -138,8 +147,8 @@ def apply_flashcore_to_llama(
     and constrained beam search).
 
     Calling it again on a patched model brings it to the new options: ``backend`` is replaced, and each of
-    ``layer_kernels`` and ``fuse_projections`` is turned on or off to match. Options the model cannot run are
-    refused before anything changes.
+    ``layer_kernels``, ``fuse_projections`` and ``input_major_weights`` is turned on or off to match. Options the
+    model cannot run are refused before anything changes.
 
     Args:
         model: a loaded ``PreTrainedModel`` of a supported type, on its final device and dtype.
@@ -152,6 +161,12 @@ def apply_flashcore_to_llama(
         fuse_projections: concatenate each layer's q/k/v and gate/up weights into one GEMM each, in place and
             with no extra memory (``save_pretrained`` still writes every HF parameter); results equal the unfused
             model's up to the GEMMs' summation order. Default: False.
+        input_major_weights: store each unfused decoder projection's and the LM head's weight as the transpose of a
+            contiguous ``[in, out]`` tensor, in place and with no extra memory (same Parameters, shapes, values and
+            names), which the CPU's fp32 GEMV of a decode step streams faster
+            (:mod:`flashcore.integrations.weight_layout`); results equal the row-major model's up to the GEMVs'
+            summation order. Default None: fp32 weights on the CPU (a CUDA or 16-bit model is left as it is).
+            Not with tensor parallelism (``tp_plan``), where None leaves the weights as they are.
 
     Returns:
         The same model object. :func:`remove_flashcore` undoes everything.
@@ -165,14 +180,26 @@ def apply_flashcore_to_llama(
         _layer_kernels.check_supported(model)
     if fuse_projections:
         _fused_projections.check_supported(model)
+    if model_tp_size(model) > 1:
+        if input_major_weights:
+            raise NotImplementedError(
+                "input_major_weights=True does not support a tensor-parallel model (tp_plan): its weights are sharded "
+                "DTensors. Leave it None or False"
+            )
+        input_major_weights = False
 
     state = model.__dict__.get("_flashcore_state")
     if state is None:
         state = _patch(model, decoder, backend)
     state.backend = backend
-    if fuse_projections != state.fuse_projections:
-        (_fused_projections.fuse if fuse_projections else _fused_projections.unfuse)(model)
-        state.fuse_projections = fuse_projections
+    if fuse_projections != state.fuse_projections or input_major_weights != state.input_major_weights:
+        _weight_layout.restore(model)  # fusing concatenates row-major weights; the layout is redone below
+        if fuse_projections != state.fuse_projections:
+            (_fused_projections.fuse if fuse_projections else _fused_projections.unfuse)(model)
+            state.fuse_projections = fuse_projections
+        if input_major_weights is not False:
+            _weight_layout.convert(model, only_default=input_major_weights is None)
+        state.input_major_weights = input_major_weights
     if layer_kernels != state.layer_kernels:
         (_layer_kernels.enable if layer_kernels else _layer_kernels.disable)(model)
         state.layer_kernels = layer_kernels
@@ -197,12 +224,17 @@ def flashcore_options(model: PreTrainedModel) -> dict[str, Any] | None:
     state = model.__dict__.get("_flashcore_state")
     if state is None:
         return None
-    return {"backend": state.backend, "layer_kernels": state.layer_kernels, "fuse_projections": state.fuse_projections}
+    return {
+        "backend": state.backend,
+        "layer_kernels": state.layer_kernels,
+        "fuse_projections": state.fuse_projections,
+        "input_major_weights": state.input_major_weights,
+    }
 
 
 def remove_flashcore(model: PreTrainedModel) -> PreTrainedModel:
-    """Undoes :func:`apply_flashcore_to_llama`: layer kernels and fused projections undone, hooks removed, the
-    previous attention implementation restored.
+    """Undoes :func:`apply_flashcore_to_llama`: layer kernels, fused projections and input-major weights undone,
+    hooks removed, the previous attention implementation restored.
 
     Returns the same model object; a model that was never patched is returned unchanged.
     """
@@ -211,6 +243,8 @@ def remove_flashcore(model: PreTrainedModel) -> PreTrainedModel:
         return model
     if state.layer_kernels:
         _layer_kernels.disable(model)
+    if state.input_major_weights is not False:
+        _weight_layout.restore(model)
     if state.fuse_projections:
         _fused_projections.unfuse(model)
     llama_forward_fork.sync_forwards(model)
