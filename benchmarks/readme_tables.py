@@ -296,15 +296,20 @@ def cpu_block(payload: dict, json_name: str = "bench_cpu.json") -> str:
     lines = [
         f"`bench_cpu.py`: commit {env['git_commit'][:7]}, run {env['date'][:10]} on a {env.get('cpu_count')}-core "
         f"machine ({versions}), {env.get('torch_threads')} torch thread, medians of {_cpu_repeats(payload)} "
-        f"interleaved repetitions; {_raw_data(json_name)}. The ratio is stock time over flashcore time.",
+        f"interleaved repetitions; {_raw_data(json_name)}. A ratio is stock time over flashcore time; the last "
+        f"column's flashcore keeps stock's row-major weights (`input_major_weights=False`).",
         "",
-        "| row | stock | flashcore | stock ÷ flashcore |",
-        "|---|---|---|---|",
+        "| row | stock | flashcore | stock ÷ flashcore | row-major weights: flashcore | stock ÷ it |",
+        "|---|---|---|---|---|---|",
     ]
     for row in payload["rows"]:
         label = CPU_ROW_LABELS.get(row["row"], row["row"])
         stock, flashcore = _cpu_time(row, "stock"), _cpu_time(row, "flashcore")
-        lines.append(f"| {label} | {stock} | {flashcore} | {_ratio(row['ratio'])} |")
+        row_major = _cpu_time(row, "flashcore_row_major")
+        lines.append(
+            f"| {label} | {stock} | {flashcore} | {_ratio(row['ratio'])} | {row_major} | "
+            f"{_ratio(row['ratio_row_major'])} |"
+        )
     return "\n".join(line if line.startswith("|") or not line else _wrap(line) for line in lines)
 
 
