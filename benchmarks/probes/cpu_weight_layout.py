@@ -58,7 +58,9 @@ def linear_rows(rounds: int) -> list[dict]:
             copies = max(2, -(-STREAMED_BYTES // nbytes))
             row_major = [torch.randn(out_features, in_features).to(dtype) for _ in range(copies)]
             input_major = [weight.t().contiguous().t() for weight in row_major]
-            for tokens in (1, 40, 3000) if dtype_name == "fp32" else (1,):
+            # generate computes the LM head for the last position only, so a prefill's GEMMs are the layers'.
+            prefills = (40, 3000) if dtype_name == "fp32" and shape_name != "lm_head" else ()
+            for tokens in (1, *prefills):
                 x = torch.randn(1, tokens, in_features).to(dtype)
                 walk = row_major if tokens == 1 else row_major[:2]  # a prefill GEMM is compute-bound
                 walk_t = input_major if tokens == 1 else input_major[:2]
