@@ -296,19 +296,19 @@ def cpu_block(payload: dict, json_name: str = "bench_cpu.json") -> str:
     lines = [
         f"`bench_cpu.py`: commit {env['git_commit'][:7]}, run {env['date'][:10]} on a {env.get('cpu_count')}-core "
         f"machine ({versions}), {env.get('torch_threads')} torch thread, medians of {_cpu_repeats(payload)} "
-        f"interleaved repetitions; {_raw_data(json_name)}. A ratio is stock time over flashcore time; the last "
-        f"column's flashcore keeps stock's row-major weights (`input_major_weights=False`).",
+        f"interleaved repetitions; {_raw_data(json_name)}. A ratio is stock time over flashcore time; the last two "
+        f"columns' flashcore runs its linears on `F.linear`, as stock does (`onednn_linears=False`).",
         "",
-        "| row | stock | flashcore | stock ÷ flashcore | row-major weights: flashcore | stock ÷ it |",
+        "| row | stock | flashcore | stock ÷ flashcore | flashcore, stock's linears | stock ÷ it |",
         "|---|---|---|---|---|---|",
     ]
     for row in payload["rows"]:
         label = CPU_ROW_LABELS.get(row["row"], row["row"])
         stock, flashcore = _cpu_time(row, "stock"), _cpu_time(row, "flashcore")
-        row_major = _cpu_time(row, "flashcore_row_major")
+        stock_linears = _cpu_time(row, "flashcore_stock_linears")
         lines.append(
-            f"| {label} | {stock} | {flashcore} | {_ratio(row['ratio'])} | {row_major} | "
-            f"{_ratio(row['ratio_row_major'])} |"
+            f"| {label} | {stock} | {flashcore} | {_ratio(row['ratio'])} | {stock_linears} | "
+            f"{_ratio(row['ratio_stock_linears'])} |"
         )
     return "\n".join(line if line.startswith("|") or not line else _wrap(line) for line in lines)
 

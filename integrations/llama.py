@@ -18,8 +18,8 @@ The attention goes through transformers' extension points; no modeling symbol is
   model to build the mask of each step ahead of the forward for a compileable cache: it calls the registered mask
   function directly (:func:`_masks_for_generate`).
 
-``input_major_weights`` changes only how the projections' weights are stored
-(:mod:`flashcore.integrations.weight_layout`).
+``onednn_linears`` gives the projections and the LM head another forward, on oneDNN
+(:mod:`flashcore.integrations.onednn_linears`).
 ``layer_kernels`` and ``fuse_projections`` change code inside the attention and MLP forwards, where transformers
 has no extension point; :mod:`flashcore.integrations.llama_forward_fork` says why and holds the one fork of those
 forwards, installed only on models that use either option.
@@ -61,7 +61,7 @@ from flashcore.backends import BACKENDS, is_capturing_or_tracing  # noqa: E402
 from flashcore.integrations import fused_projections as _fused_projections  # noqa: E402
 from flashcore.integrations import layer_kernels as _layer_kernels  # noqa: E402
 from flashcore.integrations import llama_forward_fork  # noqa: E402
-from flashcore.integrations import weight_layout as _weight_layout  # noqa: E402
+from flashcore.integrations import onednn_linears as _onednn_linears  # noqa: E402
 from flashcore.integrations.attention import flashcore_attention, flashcore_padding_mask  # noqa: E402
 from flashcore.integrations.cache import FlashCoreCache, check_full_attention_only  # noqa: E402
 
@@ -116,7 +116,7 @@ class _FlashCoreState:
     previous_attn_implementation: str | None
     layer_kernels: bool = False
     fuse_projections: bool = False
-    input_major_weights: bool | None = False  # as asked (None: the default's pick); False until a call converts
+    onednn_linears: bool | None = False  # as asked (None: the default's pick); False until a call turns it on
     hook_handles: list = field(default_factory=list)
     previous_max_cache_len: int = 0
 
@@ -127,7 +127,7 @@ def apply_flashcore_to_llama(
     backend: str = "auto",
     layer_kernels: bool = False,
     fuse_projections: bool = False,
-    input_major_weights: bool | None = None,
+    onednn_linears: bool | None = None,
 ) -> PreTrainedModel:
     """Routes every attention layer of a loaded LLaMA-family model through flashcore, in place.
 
@@ -147,7 +147,7 @@ def apply_flashcore_to_llama(
     and constrained beam search).
 
     Calling it again on a patched model brings it to the new options: ``backend`` is replaced, and each of
-    ``layer_kernels``, ``fuse_projections`` and ``input_major_weights`` is turned on or off to match. Options the
+    ``layer_kernels``, ``fuse_projections`` and ``onednn_linears`` is turned on or off to match. Options the
     model cannot run are refused before anything changes.
 
     Args:
@@ -161,12 +161,12 @@ def apply_flashcore_to_llama(
         fuse_projections: concatenate each layer's q/k/v and gate/up weights into one GEMM each, in place and
             with no extra memory (``save_pretrained`` still writes every HF parameter); results equal the unfused
             model's up to the GEMMs' summation order. Default: False.
-        input_major_weights: store each unfused decoder projection's and the LM head's weight as the transpose of a
-            contiguous ``[in, out]`` tensor, in place and with no extra memory (same Parameters, shapes, values and
-            names), which the CPU's fp32 GEMV of a decode step streams faster
-            (:mod:`flashcore.integrations.weight_layout`); results equal the row-major model's up to the GEMVs'
-            summation order. Default None: fp32 weights on the CPU (a CUDA or 16-bit model is left as it is).
-            Not with tensor parallelism (``tp_plan``), where None leaves the weights as they are.
+        onednn_linears: run each decoder projection's and the LM head's GEMM on oneDNN
+            (``torch.ops.mkldnn._linear_pointwise``) instead of ``F.linear``'s BLAS, with the weights as they are
+            (:mod:`flashcore.integrations.onednn_linears`): on CPUs where PyTorch's BLAS does not use AVX-512 (the
+            AMD CPU of ``benchmarks/bench_cpu.py``) about 2x faster at prefill and 1.3-1.7x at decode; results equal
+            ``F.linear``'s up to the summation order. Default None: every fp32 CPU linear (a CUDA or 16-bit model
+            is left as it is). Not with tensor parallelism (``tp_plan``), where None leaves the linears as they are.
 
     Returns:
         The same model object. :func:`remove_flashcore` undoes everything.
@@ -181,25 +181,27 @@ def apply_flashcore_to_llama(
     if fuse_projections:
         _fused_projections.check_supported(model)
     if model_tp_size(model) > 1:
-        if input_major_weights:
+        if onednn_linears:
             raise NotImplementedError(
-                "input_major_weights=True does not support a tensor-parallel model (tp_plan): its weights are sharded "
+                "onednn_linears=True does not support a tensor-parallel model (tp_plan): its weights are sharded "
                 "DTensors. Leave it None or False"
             )
-        input_major_weights = False
+        onednn_linears = False
+    if onednn_linears:
+        _onednn_linears.check_supported(model)
 
     state = model.__dict__.get("_flashcore_state")
     if state is None:
         state = _patch(model, decoder, backend)
     state.backend = backend
-    if fuse_projections != state.fuse_projections or input_major_weights != state.input_major_weights:
-        _weight_layout.restore(model)  # fusing concatenates row-major weights; the layout is redone below
-        if fuse_projections != state.fuse_projections:
-            (_fused_projections.fuse if fuse_projections else _fused_projections.unfuse)(model)
-            state.fuse_projections = fuse_projections
-        if input_major_weights is not False:
-            _weight_layout.convert(model, only_default=input_major_weights is None)
-        state.input_major_weights = input_major_weights
+    if fuse_projections != state.fuse_projections:
+        (_fused_projections.fuse if fuse_projections else _fused_projections.unfuse)(model)
+        state.fuse_projections = fuse_projections
+    if onednn_linears != state.onednn_linears:
+        _onednn_linears.disable(model)
+        if onednn_linears is not False:
+            _onednn_linears.enable(model, only_default=onednn_linears is None)
+        state.onednn_linears = onednn_linears
     if layer_kernels != state.layer_kernels:
         (_layer_kernels.enable if layer_kernels else _layer_kernels.disable)(model)
         state.layer_kernels = layer_kernels
@@ -228,12 +230,12 @@ def flashcore_options(model: PreTrainedModel) -> dict[str, Any] | None:
         "backend": state.backend,
         "layer_kernels": state.layer_kernels,
         "fuse_projections": state.fuse_projections,
-        "input_major_weights": state.input_major_weights,
+        "onednn_linears": state.onednn_linears,
     }
 
 
 def remove_flashcore(model: PreTrainedModel) -> PreTrainedModel:
-    """Undoes :func:`apply_flashcore_to_llama`: layer kernels, fused projections and input-major weights undone,
+    """Undoes :func:`apply_flashcore_to_llama`: layer kernels, fused projections and oneDNN linears undone,
     hooks removed, the previous attention implementation restored.
 
     Returns the same model object; a model that was never patched is returned unchanged.
@@ -243,8 +245,8 @@ def remove_flashcore(model: PreTrainedModel) -> PreTrainedModel:
         return model
     if state.layer_kernels:
         _layer_kernels.disable(model)
-    if state.input_major_weights is not False:
-        _weight_layout.restore(model)
+    if state.onednn_linears is not False:
+        _onednn_linears.disable(model)
     if state.fuse_projections:
         _fused_projections.unfuse(model)
     llama_forward_fork.sync_forwards(model)

@@ -112,7 +112,7 @@ def test_fused_projections_and_layer_kernels_match_stock(models):
     engine = Engine(model, IdsTokenizer(), max_batch_size=2, max_cache_len=32, max_num_tokens=8, backend="torch",
                     fuse_projections=True, layer_kernels=True)  # fmt: skip
     assert flashcore_options(model) == {
-        "backend": "auto", "layer_kernels": True, "fuse_projections": True, "input_major_weights": None
+        "backend": "auto", "layer_kernels": True, "fuse_projections": True, "onednn_linears": None
     }  # fmt: skip
     rng = random.Random(3)
     prompts = random_prompts(rng, 3, (3, 10))
@@ -129,12 +129,12 @@ def test_layer_options_default_to_on_with_cuda(models):
     Engine(model, IdsTokenizer(), max_batch_size=1, max_cache_len=8, use_cuda_graph=False)
     on_cuda = model.device.type == "cuda"
     assert flashcore_options(model) == {
-        "backend": "auto", "layer_kernels": on_cuda, "fuse_projections": on_cuda, "input_major_weights": None
+        "backend": "auto", "layer_kernels": on_cuda, "fuse_projections": on_cuda, "onednn_linears": None
     }  # fmt: skip
     Engine(model, IdsTokenizer(), max_batch_size=1, max_cache_len=8, use_cuda_graph=False,
            fuse_projections=False, layer_kernels=False)  # fmt: skip
     assert flashcore_options(model) == {
-        "backend": "auto", "layer_kernels": False, "fuse_projections": False, "input_major_weights": None
+        "backend": "auto", "layer_kernels": False, "fuse_projections": False, "onednn_linears": None
     }  # fmt: skip
 
 

@@ -1,13 +1,14 @@
-"""Probe: ``F.linear`` on the CPU with the weight row-major (``[out, in]`` contiguous, PyTorch's layout) against
-input-major (the transpose of a contiguous ``[in, out]`` tensor), on SmolLM2-135M's projection shapes.
+"""Probe: a linear's GEMM on the CPU, ``F.linear`` (PyTorch's BLAS, MKL in the PyPI wheels) against oneDNN
+(``torch.ops.mkldnn._linear_pointwise``, what ``onednn_linears`` runs), on SmolLM2-135M's projection shapes.
 
-At batch 1 a decode step's projections are GEMVs that stream their weights; this times each shape at 1 row (decode),
-40 and 3,000 rows (the prefills of ``bench_cpu.py``), in fp32, bf16 and fp16, one torch thread. Each timing walks
-over enough copies of the weight (at least 64 MB) that every call reads it from memory, not from the 32 MB L3,
-and takes the median of ``--rounds`` walks. Also times the embedding lookup of a tied LM head stored input-major,
-which then gathers strided rows. ``integrations/weight_layout.py`` takes its default from these numbers.
+Per shape, three ways: ``F.linear`` with the weight row-major (``[out, in]`` contiguous, PyTorch's layout), with it
+input-major (the transpose of a contiguous ``[in, out]`` tensor, an alternative tried first: NOTES.md, entry 50),
+and oneDNN with the weight row-major. At 1 row (a decode step's GEMV), 40 and 3,000 rows (the prefills of
+``bench_cpu.py``), in fp32; at 1 row in bf16 and fp16 too. One torch thread. Each timing walks over enough copies of
+the weight (at least 64 MB) that every GEMV reads it from memory, not from the 32 MB L3 (a prefill's GEMM, which is
+compute-bound, walks two), and takes the median of ``--rounds`` walks.
 
-    python benchmarks/probes/cpu_weight_layout.py --out DIR
+    python benchmarks/probes/cpu_linear.py --out DIR
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ def time_us(fn, weights: list[torch.Tensor], rounds: int) -> float:
 
 
 def linear_rows(rounds: int) -> list[dict]:
+    onednn = torch.ops.mkldnn._linear_pointwise
+    ways = {
+        "f_linear_us": lambda x, weight: F.linear(x, weight),
+        "f_linear_input_major_us": lambda x, weight: F.linear(x, weight),  # given the input-major copies
+        "onednn_us": lambda x, weight: onednn(x, weight, None, "none", [None], ""),
+    }
     rows = []
     for dtype_name, dtype in DTYPES.items():
         for shape_name, (out_features, in_features) in SHAPES.items():
@@ -61,34 +68,20 @@ def linear_rows(rounds: int) -> list[dict]:
             # generate computes the LM head for the last position only, so a prefill's GEMMs are the layers'.
             prefills = (40, 3000) if dtype_name == "fp32" and shape_name != "lm_head" else ()
             for tokens in (1, *prefills):
-                x = torch.randn(1, tokens, in_features).to(dtype)
-                walk = row_major if tokens == 1 else row_major[:2]  # a prefill GEMM is compute-bound
-                walk_t = input_major if tokens == 1 else input_major[:2]
-                row_us = time_us(lambda weight, x=x: F.linear(x, weight), walk, rounds)
-                input_us = time_us(lambda weight, x=x: F.linear(x, weight), walk_t, rounds)
-                row = {"dtype": dtype_name, "weight": shape_name, "shape": [out_features, in_features],
-                       "tokens": tokens, "row_major_us": round(row_us, 1), "input_major_us": round(input_us, 1),
-                       "speedup": round(row_us / input_us, 3)}  # fmt: skip
+                x = torch.randn(tokens, in_features).to(dtype)
+                shape = [out_features, in_features]
+                row = {"dtype": dtype_name, "weight": shape_name, "shape": shape, "tokens": tokens}
+                for way, fn in ways.items():
+                    weights = input_major if way == "f_linear_input_major_us" else row_major
+                    weights = weights if tokens == 1 else weights[:2]
+                    row[way] = round(time_us(lambda weight, fn=fn, x=x: fn(x, weight), weights, rounds), 1)
+                row["onednn_speedup"] = round(row["f_linear_us"] / row["onednn_us"], 3)
+                row["input_major_speedup"] = round(row["f_linear_us"] / row["f_linear_input_major_us"], 3)
                 if tokens == 1:
-                    row["row_major_gb_s"] = round(nbytes / row_us / 1e3, 1)
-                    row["input_major_gb_s"] = round(nbytes / input_us / 1e3, 1)
+                    for way in ways:
+                        row[way.replace("_us", "_gb_s")] = round(nbytes / row[way] / 1e3, 1)
                 rows.append(row)
                 print(row, flush=True)
-    return rows
-
-
-def embedding_rows(rounds: int) -> list[dict]:
-    """The lookup of a tied LM head's rows, row-major against input-major, per prompt length."""
-    vocab, hidden = SHAPES["lm_head"]
-    weight = torch.randn(vocab, hidden)
-    weight_t = weight.t().contiguous().t()
-    rows = []
-    for tokens in (1, 40, 3000):
-        ids = torch.randint(0, vocab, (1, tokens))
-        row_us = time_us(lambda w, ids=ids: F.embedding(ids, w), [weight] * 4, rounds)
-        input_us = time_us(lambda w, ids=ids: F.embedding(ids, w), [weight_t] * 4, rounds)
-        rows.append({"tokens": tokens, "row_major_us": round(row_us, 1), "input_major_us": round(input_us, 1)})
-        print(rows[-1], flush=True)
     return rows
 
 
@@ -106,11 +99,10 @@ def main() -> None:
             "threads": 1,
             "rounds": args.rounds,
             "linear": linear_rows(args.rounds),
-            "embedding_lookup": embedding_rows(args.rounds),
         }
     out = Path(args.out or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "cpu_weight_layout.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / "cpu_linear.json").write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
