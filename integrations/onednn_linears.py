@@ -50,10 +50,10 @@ def check_supported(model: torch.nn.Module) -> None:
     if not torch.backends.mkldnn.is_available():
         raise NotImplementedError("onednn_linears=True needs a PyTorch built with oneDNN (torch.backends.mkldnn)")
     for linear in linears(model):
-        if linear.weight.device.type != "cpu":
+        if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
             raise ValueError(
-                f"onednn_linears=True runs CPU linears, but a weight is on {linear.weight.device}; leave it None (on "
-                f"for fp32 CPU weights only) or False"
+                f"onednn_linears=True runs fp32 CPU linears, but a weight is {linear.weight.dtype} on "
+                f"{linear.weight.device}; leave it None (on for fp32 CPU weights only) or False"
             )
         if _has_other_forward(linear):
             raise NotImplementedError(

@@ -98,7 +98,7 @@ def test_true_refuses_what_it_cannot_run_before_changing_anything(request):
     remove_flashcore(model)
     assert "forward" in hooked.__dict__ and on_onednn(model).count(True) == 1
 
-    meta = tiny_llama("gqa", seed_of(request), CPU).to("meta")
-    with pytest.raises(ValueError, match="onednn_linears=True runs CPU linears"):
-        apply_flashcore_to_llama(meta, backend="torch", onednn_linears=True)
-    assert "_flashcore_state" not in meta.__dict__
+    for other in (tiny_llama("gqa", seed_of(request), CPU).to("meta"), tiny_llama("gqa", 0, CPU).half()):
+        with pytest.raises(ValueError, match="onednn_linears=True runs fp32 CPU linears"):
+            apply_flashcore_to_llama(other, backend="torch", onednn_linears=True)
+        assert "_flashcore_state" not in other.__dict__

@@ -74,12 +74,15 @@ def linear_rows(rounds: int) -> list[dict]:
                 for way, fn in ways.items():
                     weights = input_major if way == "f_linear_input_major_us" else row_major
                     weights = weights if tokens == 1 else weights[:2]
-                    row[way] = round(time_us(lambda weight, fn=fn, x=x: fn(x, weight), weights, rounds), 1)
-                row["onednn_speedup"] = round(row["f_linear_us"] / row["onednn_us"], 3)
-                row["input_major_speedup"] = round(row["f_linear_us"] / row["f_linear_input_major_us"], 3)
-                if tokens == 1:
-                    for way in ways:
-                        row[way.replace("_us", "_gb_s")] = round(nbytes / row[way] / 1e3, 1)
+                    try:
+                        row[way] = round(time_us(lambda weight, fn=fn, x=x: fn(x, weight), weights, rounds), 1)
+                    except RuntimeError as error:  # oneDNN has no fp16 kernel for a CPU without AVX-512-FP16
+                        row[way], row[way.replace("_us", "_error")] = None, str(error).splitlines()[0]
+                for way in ways:
+                    if row[way] is not None:
+                        row[way.replace("_us", "_speedup")] = round(row["f_linear_us"] / row[way], 3)
+                        if tokens == 1:
+                            row[way.replace("_us", "_gb_s")] = round(nbytes / row[way] / 1e3, 1)
                 rows.append(row)
                 print(row, flush=True)
     return rows
