@@ -163,8 +163,8 @@ def apply_flashcore_to_llama(
             model's up to the GEMMs' summation order. Default: False.
         onednn_linears: run each decoder projection's and the LM head's GEMM on oneDNN
             (``torch.ops.mkldnn._linear_pointwise``) instead of ``F.linear``'s BLAS, with the weights as they are
-            (:mod:`flashcore.integrations.onednn_linears`): on CPUs where PyTorch's BLAS does not use AVX-512 (the
-            AMD CPU of ``benchmarks/bench_cpu.py``) about 2x faster at prefill and 1.3-1.7x at decode; results equal
+            (:mod:`flashcore.integrations.onednn_linears`): on the AMD CPU of ``benchmarks/bench_cpu.py``, 1.5-2.3x
+            faster at prefill and 1.0-1.5x at decode on SmolLM2's shapes; results equal
             ``F.linear``'s up to the summation order. Default None: every fp32 CPU linear (a CUDA or 16-bit model
             is left as it is). Not with tensor parallelism (``tp_plan``), where None leaves the linears as they are.
 

@@ -2,9 +2,9 @@
 
 ``nn.Linear`` calls ``F.linear``, whose fp32 GEMM on the CPU is PyTorch's BLAS (MKL in the PyPI wheels). PyTorch
 ships oneDNN too (``torch.ops.mkldnn._linear_pointwise``, the kernel inductor compiles CPU linears to). On the
-2-core AMD CPU (with AVX-512) of ``benchmarks/bench_cpu.py`` and SmolLM2-135M's shapes, oneDNN runs a 3,000-token
-prefill's GEMMs about 2x faster and a decode step's GEMVs 1.3-1.7x (``benchmarks/probes/cpu_linear.py``;
-NOTES.md, entry 50). The same fp32 arithmetic, in another summation order.
+2-core AMD CPU (with AVX-512) of ``benchmarks/bench_cpu.py`` and SmolLM2-135M's shapes, oneDNN runs a prefill's
+GEMMs 1.5-2.3x faster (2.1-2.3x at 3,000 tokens) and a decode step's GEMVs 1.0-1.5x
+(``benchmarks/probes/cpu_linear.py``; NOTES.md, entry 50). The same fp32 arithmetic, in another summation order.
 
 The weights are not touched: each ``nn.Linear`` gets an instance ``forward`` that hands its own ``weight`` and
 ``bias`` to oneDNN, so ``state_dict``, ``save_pretrained``, tied embeddings and ``model.to()`` see the model as it
