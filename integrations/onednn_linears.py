@@ -9,7 +9,8 @@ GEMMs 1.5-2.3x faster (2.1-2.3x at 3,000 tokens) and a decode step's GEMVs 1.0-1
 The weights are not touched: each ``nn.Linear`` gets an instance ``forward`` that hands its own ``weight`` and
 ``bias`` to oneDNN, so ``state_dict``, ``save_pretrained``, tied embeddings and ``model.to()`` see the model as it
 was. Projections fused by ``fuse_projections`` (off by default) are one GEMM that bypasses their modules; it stays
-on ``F.linear``. Inference only, as every flashcore path: the op has no backward.
+on ``F.linear``, as does a step that ``torch.compile`` traces (``DecodeSession(compile=True)`` on the CPU), whose
+GEMMs inductor picks. Inference only, as every flashcore path.
 
 :func:`~flashcore.integrations.llama.apply_flashcore_to_llama` calls :func:`check_supported`, :func:`enable` and
 :func:`disable`.
@@ -20,6 +21,7 @@ from __future__ import annotations
 import types
 
 import torch
+import torch.nn.functional as F
 
 _PROJECTIONS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -77,7 +79,11 @@ def disable(model: torch.nn.Module) -> None:
 
 
 def _onednn_forward(self: torch.nn.Linear, input: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` on oneDNN: ``input @ weight.T + bias``, the weight as stored."""
+    """``nn.Linear.forward`` on oneDNN: ``input @ weight.T + bias``, the weight as stored. While ``torch.compile``
+    traces, ``F.linear``: inductor picks its own GEMM, and its lowering of this op takes only the prepacked weights
+    of its freezing pass."""
+    if torch.compiler.is_compiling():
+        return F.linear(input, self.weight, self.bias)
     return torch.ops.mkldnn._linear_pointwise(input, self.weight, self.bias, "none", [None], "")
 
 
