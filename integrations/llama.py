@@ -166,7 +166,8 @@ def apply_flashcore_to_llama(
             (:mod:`flashcore.integrations.onednn_linears`): on the AMD CPU of ``benchmarks/bench_cpu.py``, 1.5-2.3x
             faster at prefill and 1.0-1.5x at decode on SmolLM2's shapes; results equal
             ``F.linear``'s up to the summation order. Default None: every fp32 CPU linear (a CUDA or 16-bit model
-            is left as it is). Not with tensor parallelism (``tp_plan``), where None leaves the linears as they are.
+            is left as it is), picked again by each call, so after ``model.to(...)`` call this again. Not with
+            tensor parallelism (``tp_plan``), where None leaves the linears as they are.
 
     Returns:
         The same model object. :func:`remove_flashcore` undoes everything.
@@ -197,7 +198,7 @@ def apply_flashcore_to_llama(
     if fuse_projections != state.fuse_projections:
         (_fused_projections.fuse if fuse_projections else _fused_projections.unfuse)(model)
         state.fuse_projections = fuse_projections
-    if onednn_linears != state.onednn_linears:
+    if onednn_linears != state.onednn_linears or onednn_linears is None:  # None: picked anew, for where it is now
         _onednn_linears.disable(model)
         if onednn_linears is not False:
             _onednn_linears.enable(model, only_default=onednn_linears is None)

@@ -7,10 +7,11 @@ GEMMs 1.5-2.3x faster (2.1-2.3x at 3,000 tokens) and a decode step's GEMVs 1.0-1
 (``benchmarks/probes/cpu_linear.py``; NOTES.md, entry 50). The same fp32 arithmetic, in another summation order.
 
 The weights are not touched: each ``nn.Linear`` gets an instance ``forward`` that hands its own ``weight`` and
-``bias`` to oneDNN, so ``state_dict``, ``save_pretrained``, tied embeddings and ``model.to()`` see the model as it
-was. Projections fused by ``fuse_projections`` (off by default) are one GEMM that bypasses their modules; it stays
-on ``F.linear``, as does a step that ``torch.compile`` traces (``DecodeSession(compile=True)`` on the CPU), whose
-GEMMs inductor picks. Inference only, as every flashcore path.
+``bias`` to oneDNN, so ``state_dict``, ``save_pretrained`` and tied embeddings see the model as it was. The forward
+is for CPU tensors: a model moved to another device or dtype after the patch needs ``apply_flashcore_to_llama``
+again, which picks the default's linears anew. Projections fused by ``fuse_projections`` (off by default) are one
+GEMM that bypasses their modules; it stays on ``F.linear``, as does a step that ``torch.compile`` traces
+(``DecodeSession(compile=True)`` on the CPU), whose GEMMs inductor picks. Inference only, as every flashcore path.
 
 :func:`~flashcore.integrations.llama.apply_flashcore_to_llama` calls :func:`check_supported`, :func:`enable` and
 :func:`disable`.

@@ -68,7 +68,8 @@ def test_onednn_linears_match_f_linear(architecture, fuse_projections, generator
 
 
 def test_default_picks_fp32_on_the_cpu(request):
-    """None runs fp32 CPU linears on oneDNN and leaves 16-bit ones on F.linear; False turns it off."""
+    """None runs fp32 CPU linears on oneDNN and leaves 16-bit ones on F.linear, picked anew by each call (a model
+    moved after the patch); False turns it off."""
     model = apply_flashcore_to_llama(tiny_llama("gqa", seed_of(request), CPU), backend="torch")
     assert flashcore_options(model)["onednn_linears"] is None
     assert all(on_onednn(model))
@@ -77,6 +78,11 @@ def test_default_picks_fp32_on_the_cpu(request):
 
     half = apply_flashcore_to_llama(tiny_llama("gqa", seed_of(request), CPU).to(torch.bfloat16), backend="torch")
     assert not any(on_onednn(half))
+
+    moved = apply_flashcore_to_llama(tiny_llama("gqa", seed_of(request), CPU), backend="torch")
+    assert all(on_onednn(moved))
+    apply_flashcore_to_llama(moved.to(torch.bfloat16), backend="torch")  # picked anew where the model is now
+    assert not any(on_onednn(moved))
 
 
 def test_default_leaves_a_gpu_model_as_it_is(device, request):
