@@ -1,12 +1,13 @@
-"""The decoder layer's pointwise ops around attention, on flashcore's Triton kernels: RMSNorm, rotary embedding,
-SiLU-and-mul.
+"""The decoder layer's ops around attention, on flashcore's Triton kernels: RMSNorm, rotary embedding, SiLU-and-mul,
+and the one-row GEMV of a batch-1 decode step's projections.
 
 Why flashcore has its own: a model step runs eagerly, replayed from a CUDA graph, or compiled. Eager and replayed
 PyTorch ops give the same bits, but inductor fuses HF's RMSNorm, RoPE and SwiGLU code without eager's intermediate
 bf16 roundings and with its own summation order, so a compiled bf16 model picks other tokens at the first near-tie
 (``benchmarks/NOTES.md``, entry 8). These ops run one Triton kernel each on every path (inductor sees an opaque
 ``torch.library`` op), so a model that uses them computes the same bits eagerly, replayed and compiled. They round
-where HF's eager code rounds (``flashcore/kernels/triton/layer_kernels.py``).
+where HF's eager code rounds (``flashcore/kernels/triton/layer_kernels.py``). The GEMV is there for speed: it starts
+loading its weight while the kernel before it still runs (``flashcore/kernels/triton/gemv.py``).
 ``apply_flashcore_to_llama(model, layer_kernels=True)`` puts them in a patched model.
 
 Like :func:`flashcore.attention_with_kv_cache` they run on CUDA tensors, or on CPU tensors under
@@ -19,9 +20,10 @@ from __future__ import annotations
 import torch
 
 from flashcore.backends import SUPPORTED_DTYPES, on_device_of, triton_interpreter_enabled
+from flashcore.kernels.triton import gemv as gemv_kernels
 from flashcore.kernels.triton import layer_kernels
 
-__all__ = ["apply_rotary_embedding", "rms_norm", "silu_and_mul"]
+__all__ = ["apply_rotary_embedding", "gemv", "rms_norm", "silu_and_mul"]
 
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -119,6 +121,43 @@ def apply_rotary_embedding(
     return rotated[0], rotated[1]
 
 
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a single row of ``x``: a decode step's projection at batch 1.
+
+    Args:
+        x: ``[..., K]`` holding one row (every leading dim 1, e.g. ``[1, 1, K]``); float16, bfloat16 or float32.
+        weight: ``[N, K]``, unit stride along K (an ``nn.Linear``'s weight, or a row slice of a fused one); same
+            dtype and device.
+        bias: ``[N]`` or None, same dtype and device.
+
+    Returns:
+        A new contiguous ``[..., N]`` tensor of ``x``'s dtype: the products summed in fp32, plus the bias, rounded
+        once.
+    """
+    _check_runs(x, "x")
+    if x.dim() == 0 or x.numel() != x.shape[-1]:
+        raise ValueError(
+            f"gemv takes one row: x must be [..., K] with every leading dim 1, got shape {tuple(x.shape)}; use "
+            f"F.linear for more rows"
+        )
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got {shape}")
+    tensors = {"weight": weight}
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]:
+            shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise ValueError(f"bias must be [N] = [{weight.shape[0]}] or None, got {shape}")
+        tensors["bias"] = bias
+    _check_like(x, "x", **tensors)
+    row = x.reshape(-1)
+    if torch.compiler.is_compiling():
+        out = torch.ops.flashcore.gemv(row, weight, bias)
+    else:
+        out = gemv_kernels.gemv_triton(row, weight, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def _check_runs(tensor: torch.Tensor, name: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -184,3 +223,14 @@ def _(query, key, cos, sin):
         return x.new_empty((batch, tokens, heads, dim)).transpose(1, 2)
 
     return rotated_like(query), rotated_like(key)
+
+
+@torch.library.custom_op("flashcore::gemv", mutates_args=())
+def _gemv_op(row: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    with on_device_of(row):
+        return gemv_kernels.gemv_triton(row, weight, bias)
+
+
+@_gemv_op.register_fake
+def _(row, weight, bias):
+    return row.new_empty(weight.shape[:1])

@@ -4,7 +4,8 @@ With them (:mod:`flashcore.layer_ops`) the model's eager, graph-replayed and ``t
 same bits: inductor no longer fuses HF's norm and activation code its own way, it calls the same kernel the eager
 step does. Per layer, four launches replace about 28 small eager kernels (HF's code: 8 per RMSNorm, 5 per RoPE of
 q or of k, 2 for SwiGLU), which is what a graph-replayed step without inductor spent most of its time on at batch 1
-(``benchmarks/NOTES.md``, entries 10 and 32).
+(``benchmarks/NOTES.md``, entries 10 and 32). At one token per forward (a batch-1 decode step) the projections run
+on flashcore's one-row GEMV too, which starts loading its weight while the kernel before it runs (entry 54).
 
 Every RMSNorm of the decoder (each layer's two, and the final one) gets a per-instance forward that calls
 :func:`flashcore.layer_ops.rms_norm` (``LlamaRMSNorm``'s only hook, ``use_kernel_forward_from_hub``, works only with

@@ -156,8 +156,9 @@ def apply_flashcore_to_llama(
             ``"triton"`` or ``"torch"``; see :func:`flashcore.attention_with_kv_cache`. A FlashCoreCache built
             with its own ``backend`` uses that one.
         layer_kernels: run every RMSNorm, the RoPE and the SiLU-and-mul on flashcore's Triton kernels
-            (:mod:`flashcore.layer_ops`), so that eager, graph-replayed and compiled steps compute the same bits;
-            needs ``hidden_act="silu"`` and CUDA (or ``TRITON_INTERPRET=1``). Default: False.
+            (:mod:`flashcore.layer_ops`), so that eager, graph-replayed and compiled steps compute the same bits,
+            and a one-token forward's projections on flashcore's GEMV, which overlaps its weight loads with the
+            kernel before it; needs ``hidden_act="silu"`` and CUDA (or ``TRITON_INTERPRET=1``). Default: False.
         fuse_projections: concatenate each layer's q/k/v and gate/up weights into one GEMM each, in place and
             with no extra memory (``save_pretrained`` still writes every HF parameter); results equal the unfused
             model's up to the GEMMs' summation order. Default: False.

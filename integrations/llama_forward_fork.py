@@ -12,7 +12,8 @@ forwards, and transformers has no extension point there:
   with the optional ``kernels`` package installed and maps names to kernels hosted on the Hub; without it the
   decorators are no-ops. Reassigning ``modeling_llama.apply_rotary_pos_emb`` would change every model in the
   process, patched or not. It also replaces the SiLU-and-mul of ``LlamaMLP.forward``
-  (``act_fn(gate_proj(x)) * up_proj(x)``), which is not a module of its own.
+  (``act_fn(gate_proj(x)) * up_proj(x)``), which is not a module of its own, and, for an input of one token, runs
+  the projections on flashcore's one-row GEMV (:func:`flashcore.layer_ops.gemv`) instead of their modules.
 - ``fuse_projections=True`` computes q, k and v (and gate and up) with one GEMM, whose output the stock forwards
   cannot take: they call each projection module separately.
 
@@ -33,6 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 from flashcore import layer_ops
+from flashcore.integrations import onednn_linears
 
 SWITCHES = ("_fused_projection", "_uses_layer_kernels")
 
@@ -60,11 +62,7 @@ def attention_forward(
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 
-    fused = self.__dict__.get("_fused_projection")
-    if fused is not None:
-        projected = fused(hidden_states)
-    else:
-        projected = (self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states))
+    projected = _project(self, hidden_states, ("q_proj", "k_proj", "v_proj"))
     query_states, key_states, value_states = (states.view(hidden_shape).transpose(1, 2) for states in projected)
 
     cos, sin = position_embeddings
@@ -92,14 +90,42 @@ def attention_forward(
     )
 
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = self.o_proj(attn_output)
+    attn_output = _project(self, attn_output, ("o_proj",))[0]
     return attn_output, attn_weights
 
 
 def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     """``LlamaMLP.forward``."""
-    fused = self.__dict__.get("_fused_projection")
-    gate, up = fused(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
+    gate, up = _project(self, x, ("gate_proj", "up_proj"))
     if self.__dict__.get("_uses_layer_kernels"):
-        return self.down_proj(layer_ops.silu_and_mul(gate, up))
+        return _project(self, layer_ops.silu_and_mul(gate, up), ("down_proj",))[0]
     return self.down_proj(self.act_fn(gate) * up)
+
+
+def _project(module: torch.nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+    """The projections ``names`` of ``module`` applied to ``x``.
+
+    Through the fused GEMM where the module has one (``names`` are then the ones it fused). On flashcore's one-row
+    GEMV where the layer kernels are on, ``x`` is a single token (a batch-1 decode step) and the projection is the
+    fused one or a plain ``nn.Linear``: no hooks (tensor parallelism's are hooks) and no forward replaced by anything
+    but ``onednn_linears``. Otherwise each module, as the stock forward calls it."""
+    fused = module.__dict__.get("_fused_projection") if len(names) > 1 else None
+    one_row = module.__dict__.get("_uses_layer_kernels") and x.numel() == x.shape[-1]
+    if fused is not None:
+        if one_row:
+            return layer_ops.gemv(x, fused.weight, fused.bias).split(fused.out_features, dim=-1)
+        return fused(x)
+    linears = [getattr(module, name) for name in names]
+    return tuple(
+        layer_ops.gemv(x, linear.weight, linear.bias) if one_row and _is_plain_linear(linear) else linear(x)
+        for linear in linears
+    )
+
+
+def _is_plain_linear(linear: torch.nn.Module) -> bool:
+    return (
+        type(linear) is torch.nn.Linear
+        and not onednn_linears.has_other_forward(linear)
+        and not (linear._forward_hooks or linear._forward_pre_hooks)
+        and type(linear.weight) is torch.nn.Parameter
+    )

@@ -58,7 +58,7 @@ def check_supported(model: torch.nn.Module) -> None:
                 f"onednn_linears=True runs fp32 CPU linears, but a weight is {linear.weight.dtype} on "
                 f"{linear.weight.device}; leave it None (on for fp32 CPU weights only) or False"
             )
-        if _has_other_forward(linear):
+        if has_other_forward(linear):
             raise NotImplementedError(
                 "onednn_linears=True found a linear whose forward something else replaced (accelerate's offloading "
                 "hooks?); leave it None (such linears keep their forward) or False"
@@ -68,7 +68,7 @@ def check_supported(model: torch.nn.Module) -> None:
 def enable(model: torch.nn.Module, *, only_default: bool) -> None:
     """Gives every linear (with ``only_default``, every one :func:`runs_on_onednn` picks) the oneDNN forward."""
     for linear in linears(model):
-        if not _has_other_forward(linear) and (not only_default or runs_on_onednn(linear)):
+        if not has_other_forward(linear) and (not only_default or runs_on_onednn(linear)):
             linear.forward = types.MethodType(_onednn_forward, linear)
 
 
@@ -93,5 +93,6 @@ def _runs_onednn_forward(linear: torch.nn.Module) -> bool:
     return getattr(forward, "__func__", None) is _onednn_forward
 
 
-def _has_other_forward(linear: torch.nn.Module) -> bool:
+def has_other_forward(linear: torch.nn.Module) -> bool:
+    """Whether something other than this module replaced the linear's forward (an instance ``forward``)."""
     return "forward" in linear.__dict__ and not _runs_onednn_forward(linear)

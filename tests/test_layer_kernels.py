@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DTYPES, ON_GPU, randn
-from hf_models import PAD_ID, bf16_llama, random_prompts, seed_of, tiny_llama
+from hf_models import PAD_ID, bf16_llama, random_prompts, seed_of, tiny_llama, tiny_same_attention_model
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from flashcore import layer_ops
@@ -23,6 +23,7 @@ from flashcore.integrations.llama import (
     apply_flashcore_to_llama,
     remove_flashcore,
 )
+from flashcore.kernels.triton import gemv as gemv_kernels
 from flashcore.kernels.triton import layer_kernels
 
 
@@ -103,6 +104,47 @@ def test_rotary_embedding_matches_apply_rotary_pos_emb(
         torch.testing.assert_close(out, expected, **ulps(dtype, 1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "n, k, leading", [(1, 1, (1,)), (37, 100, (1, 1)), (300, 2500, (1,)), (5, 4500, (1, 1, 1))]
+)  # K 2500 and 4500: more than one BLOCK_K step, and a ragged last one
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_gemv_matches_fp64_linear(n, k, leading, with_bias, dtype, device, generator):
+    """Against ``x @ weight.T + bias`` in fp64. The kernel sums the products in fp32 and rounds once, so the bound is
+    half an ulp of the dtype plus fp32's summation error over K terms (``K * eps32 * sum |w x|``). The weight is a row
+    slice of a wider one, as a fused projection's is."""
+    x = randn((*leading, k), generator=generator, dtype=dtype, device=device)
+    wide = randn((n + 7, k), generator=generator, dtype=dtype, device=device) / k**0.5
+    weight = wide[3 : 3 + n]
+    bias = randn((n,), generator=generator, dtype=dtype, device=device) if with_bias else None
+
+    out = layer_ops.gemv(x, weight, bias)
+
+    assert out.shape == (*leading, n) and out.dtype == dtype and out.is_contiguous()
+    x64, weight64 = x.reshape(-1).double(), weight.double()
+    expected = weight64 @ x64 + (bias.double() if with_bias else 0)
+    bound = torch.finfo(dtype).eps / 2 * expected.abs() + k * torch.finfo(torch.float32).eps * (
+        weight64.abs() @ x64.abs()
+    )
+    error = (out.reshape(-1).double() - expected).abs()
+    assert bool((error <= bound).all()), f"worst excess {float((error - bound).max())}"
+
+
+def test_gemv_errors_name_the_argument_and_the_fix(device, generator):
+    x = randn((1, 64), generator=generator, dtype=torch.float32, device=device)
+    weight = randn((16, 64), generator=generator, dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match="gemv takes one row.*use F.linear"):
+        layer_ops.gemv(x.expand(2, 64), weight)
+    with pytest.raises(ValueError, match=r"weight must be \[N, K\] with K = x.shape\[-1\] = 64"):
+        layer_ops.gemv(x, weight[:, :32])
+    with pytest.raises(ValueError, match=r"bias must be \[N\] = \[16\]"):
+        layer_ops.gemv(x, weight, weight[0])
+    with pytest.raises(TypeError, match="weight dtype torch.float16 must match x"):
+        layer_ops.gemv(x, weight.half())
+    with pytest.raises(ValueError, match="weight must have unit stride"):
+        layer_ops.gemv(x, weight.t().contiguous().t())
+
+
 def test_errors_name_the_argument_and_the_fix(device, generator, monkeypatch):
     x = randn((2, 64), generator=generator, dtype=torch.float32, device=device)
     with pytest.raises(ValueError, match=r"weight must be \[hidden\] = \[64\]"):
@@ -131,14 +173,19 @@ def test_errors_name_the_argument_and_the_fix(device, generator, monkeypatch):
 def layer_kernel_launches(monkeypatch):
     """Counts each layer kernel's launches."""
     counts = {}
-    for name in ("rms_norm_triton", "silu_and_mul_triton", "rotary_embedding_triton"):
-        run = getattr(layer_kernels, name)
+    for module, name in (
+        (layer_kernels, "rms_norm_triton"),
+        (layer_kernels, "silu_and_mul_triton"),
+        (layer_kernels, "rotary_embedding_triton"),
+        (gemv_kernels, "gemv_triton"),
+    ):
+        run = getattr(module, name)
 
         def counting(*args, _name=name, _run=run):
             counts[_name] = counts.get(_name, 0) + 1
             return _run(*args)
 
-        monkeypatch.setattr(layer_kernels, name, counting)
+        monkeypatch.setattr(module, name, counting)
     return counts
 
 
@@ -173,7 +220,34 @@ def test_patched_model_matches_stock_and_runs_the_kernels(
         "rms_norm_triton": (2 * layers + 1) * forwards,
         "rotary_embedding_triton": layers * forwards,
         "silu_and_mul_triton": layers * forwards,
-    }
+    }  # no GEMV: every forward has three rows
+
+
+@pytest.mark.parametrize("fuse_first", [False, True], ids=["kernels_only", "fused_projections_too"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["llama", "qwen2_biases"])
+@torch.no_grad()
+def test_batch_1_decode_runs_the_gemv(fuse_first, with_bias, device, generator, request, layer_kernel_launches):
+    """At one row per step every projection of a decode step runs on the GEMV (stock's tokens and logits); the
+    prefill, with more rows, keeps the model's GEMMs."""
+    seed = seed_of(request)
+    model = tiny_same_attention_model("qwen2", seed, device) if with_bias else tiny_llama("gqa", seed, device)
+    input_ids, attention_mask = random_prompts([6], generator, device)
+    kwargs = dict(
+        attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD_ID, disable_compile=True
+    )
+    expected = model.generate(input_ids, **kwargs)
+    stock_logits = model(expected[:, -1:], use_cache=False).logits
+
+    apply_flashcore_to_llama(model, backend="torch", fuse_projections=fuse_first, layer_kernels=True)
+    layer_kernel_launches.clear()
+    tokens = model.generate(input_ids, **kwargs)
+    projections = 4 if fuse_first else 7  # q/k/v, o, gate/up, down; or each of the seven
+    steps = layer_kernel_launches.get("gemv_triton", 0) // (model.config.num_hidden_layers * projections)
+    logits = model(expected[:, -1:], use_cache=False).logits
+
+    assert torch.equal(tokens, expected)
+    assert steps == 3  # the 4 new tokens: the prefill's, then 3 one-row decode steps
+    torch.testing.assert_close(logits, stock_logits, rtol=1e-4, atol=1e-4)
 
 
 @torch.no_grad()

@@ -7,6 +7,10 @@ run these same kernels (``flashcore/layer_ops.py``), so they give the same bits.
 
 All three launch with programmatic dependent launch where flashcore's attention kernel does: a launch may start
 while the previous kernel drains, and ``gdc_wait`` holds every memory access until that kernel's writes are visible.
+Right after its wait each releases its dependents (``gdc_launch_dependents``), so that the next kernel, a GEMV of
+``flashcore/kernels/triton/gemv.py`` that loads its weight before its own wait, starts while this one runs. That is
+safe because every kernel launched this way waits before it reads what its predecessor writes, and writes nothing
+before its wait.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 
@@ -39,6 +43,7 @@ def _rms_norm_kernel(
     mask = offs < hidden
     if USE_PDL:
         gdc_wait()
+        gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x_row + offs, mask=mask, other=0.0).to(tl.float32)
     variance = tl.sum(x * x, axis=0) / hidden
     normalized = (x * tl.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)
@@ -64,6 +69,7 @@ def _silu_and_mul_kernel(
     mask = offs < width
     if USE_PDL:
         gdc_wait()
+        gdc_launch_dependents()
     gate = tl.load(gate_ptr + row * stride_gate_row + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up_row + offs, mask=mask, other=0.0).to(tl.float32)
     activated = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -113,6 +119,7 @@ def _rotary_embedding_kernel(
     mask = offs < HALF
     if USE_PDL:
         gdc_wait()
+        gdc_launch_dependents()
     angles = batch * stride_cos_b + token * stride_cos_s + offs
     cos_lo = tl.load(cos_ptr + angles, mask=mask, other=0.0).to(tl.float32)
     cos_hi = tl.load(cos_ptr + HALF + angles, mask=mask, other=0.0).to(tl.float32)

@@ -1,0 +1,103 @@
+"""Issue 29: how much of a B=1 replayed decode step does flashcore's one-row GEMV save, against cuBLAS's?
+
+With ``layer_kernels=True`` a one-token step runs every projection on flashcore's GEMV
+(``flashcore/kernels/triton/gemv.py``), launched under programmatic dependent launch and loading its weight while
+the kernel before it runs. This probe times a ``DecodeSession``'s replayed step on ``bench_generate``'s model (the
+Llama-3.2-1B shape, bf16, a 512-token prompt, ``max_cache_len=2048``) in one process, the variants alternating over
+``--rounds`` rounds:
+
+- ``fused_compiled``: ``compile=True, fuse_projections=True``, no layer kernels (``bench_generate``'s
+  ``flashcore_session_fused``, the fastest B=1 path before the GEMV);
+- ``kernels_cublas`` / ``kernels_gemv``: ``fuse_projections`` and ``layer_kernels``, no compile, with the projections
+  on ``F.linear`` (the GEMV switched off by replacing ``flashcore.layer_ops.gemv`` with ``F.linear`` in this process)
+  or on the GEMV;
+- ``kernels_compiled_cublas`` / ``kernels_compiled_gemv``: the same with ``compile=True``.
+
+Per variant: µs per replayed step (median over rounds of the median of 5 timings of 100 replays; the context grows
+by 500 tokens over them), and the first step where its 32 greedy tokens part from ``kernels_gemv``'s (the GEMV sums
+in another order than cuBLAS, so a near-tie may go the other way; None: all equal).
+
+    python benchmarks/probes/session_gemv_b1.py --out benchmarks/probes/results/session_gemv_b1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness  # noqa: E402
+from bench_generate import build_config, build_model  # noqa: E402
+
+from flashcore import layer_ops  # noqa: E402
+
+VARIANTS = {  # name: (session options, GEMV on)
+    "fused_compiled": (dict(compile=True, fuse_projections=True, layer_kernels=False), True),
+    "kernels_cublas": (dict(compile=False, fuse_projections=True, layer_kernels=True), False),
+    "kernels_gemv": (dict(compile=False, fuse_projections=True, layer_kernels=True), True),
+    "kernels_compiled_cublas": (dict(compile=True, fuse_projections=True, layer_kernels=True), False),
+    "kernels_compiled_gemv": (dict(compile=True, fuse_projections=True, layer_kernels=True), True),
+}
+REPLAYS, TIMINGS, TOKENS = 100, 5, 32
+
+
+def timed_session(model, input_ids, options: dict, gemv_on: bool) -> dict:
+    from flashcore.integrations.decode_session import DecodeSession
+
+    gemv = layer_ops.gemv
+    if not gemv_on:
+        layer_ops.gemv = lambda x, weight, bias=None: F.linear(x, weight, bias)
+    try:
+        session = DecodeSession(model, max_cache_len=2048, batch_size=input_ids.shape[0], **options)
+        tokens = [session.prefill(input_ids).clone()]
+        tokens += [session.decode_step().clone() for _ in range(TOKENS - 1)]  # eager warm-up, capture, replays
+        timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, REPLAYS, TIMINGS)]
+    finally:
+        layer_ops.gemv = gemv
+    return {"us_per_step": statistics.median(timings), "tokens": torch.stack(tokens, 1)[0].tolist()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    model = build_model(build_config(is_tiny=False), device)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, model.config.vocab_size, (1, 512), generator=generator).to(device)
+    names = args.variants.split(",")
+    runs = {name: [] for name in names}
+    with torch.inference_mode():
+        for _ in range(args.rounds):  # alternating, so that a drift of the GPU's clock reaches every variant
+            for name in names:
+                runs[name].append(timed_session(model, input_ids, *VARIANTS[name]))
+                print(name, runs[name][-1]["us_per_step"], flush=True)
+    reference = runs.get("kernels_gemv", runs[names[0]])[0]["tokens"]
+    result = {"environment": harness.environment(device), "settings": vars(args), "rows": []}
+    for name, samples in runs.items():
+        tokens = samples[0]["tokens"]
+        row = {
+            "variant": name,
+            "us_per_step": statistics.median(sample["us_per_step"] for sample in samples),
+            "samples_us": [sample["us_per_step"] for sample in samples],
+            "tokens_stable_over_rounds": all(sample["tokens"] == tokens for sample in samples),
+            "first_token_differing_from_kernels_gemv": next(
+                (i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), None
+            ),
+        }
+        result["rows"].append(row)
+        print(row, flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

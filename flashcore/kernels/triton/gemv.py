@@ -1,0 +1,97 @@
+"""A one-row GEMV, ``out = x @ weight.T (+ bias)``, for the projections of a batch-1 decode step.
+
+At one token per step each projection reads its whole weight once, so the step is a chain of weight streams. cuBLAS's
+GEMV is as fast as a plain Triton loop in isolation (``benchmarks/NOTES.md``, entry 44), but inside a step it waits
+for the kernel before it to finish before it starts loading, and the kernel after it waits for it in turn. This
+kernel launches with programmatic dependent launch (PDL) and loads its first weight tile *before* ``gdc_wait``: the
+weight does not depend on the kernel before it (a norm, the attention's merge), so those loads are in flight while
+that kernel still runs (entry 53). The weight must therefore not be written by the kernel just before; parameters
+never are.
+
+Each program owns ``BLOCK_N`` outputs and walks K in ``BLOCK_K`` steps, accumulating ``w * x`` elementwise in fp32;
+one reduction per output at the end, then the bias, then one rounding to the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
+
+TILE_ELEMENTS = 16384  # BLOCK_N * BLOCK_K: 128 fp32 accumulators per thread at 4 warps
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [K]
+    weight_ptr,  # [N, K], unit stride along K
+    bias_ptr,  # [N]; read only when HAS_BIAS
+    out_ptr,  # [N]
+    n,
+    k,
+    stride_weight_n,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < n
+    offs_k = tl.arange(0, BLOCK_K)
+    weight_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * stride_weight_n
+
+    # stage 1: the first weight tile, loaded while the kernel before may still run
+    mask_k = offs_k < k
+    w = tl.load(weight_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    if USE_PDL:
+        gdc_wait()  # x comes from the kernel before
+        gdc_launch_dependents()
+    x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+    # stage 2: the rest of K
+    for start in range(BLOCK_K, k, BLOCK_K):
+        cols = start + offs_k
+        mask_k = cols < k
+        w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+
+    # epilogue
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+_launch_gemv = CachedLauncher(_gemv_kernel)
+
+
+def gemv_config(n: int, k: int) -> dict:
+    """``BLOCK_N``, ``BLOCK_K`` and ``num_warps`` for an ``[n, k]`` weight: 8 outputs per program, K in tiles of at
+    most ``TILE_ELEMENTS / 8``."""
+    block_n = 8
+    return dict(block_n=block_n, block_k=min(triton.next_power_of_2(k), TILE_ELEMENTS // block_n), num_warps=4)
+
+
+def gemv_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None = None
+) -> torch.Tensor:
+    """``x`` ``[K]`` contiguous, ``weight`` ``[N, K]`` with unit stride along K, ``bias`` ``[N]`` or None; returns a
+    new ``[N]``. ``config`` overrides :func:`gemv_config` (probes sweep it)."""
+    n, k = weight.shape
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    config = config or gemv_config(n, k)
+    use_pdl = uses_programmatic_launch(x.device)
+    _launch_gemv(
+        (triton.cdiv(n, config["block_n"]), 1, 1),
+        (x, weight, bias if bias is not None else out, out, n, k, weight.stride(0)),
+        dict(BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], HAS_BIAS=bias is not None, USE_PDL=use_pdl),
+        num_warps=config["num_warps"],
+        num_stages=1,
+        launch_pdl=use_pdl,
+    )
+    return out
