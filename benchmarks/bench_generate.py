@@ -359,7 +359,7 @@ class Runner:
     def time_prefill(self, row: dict) -> None:
         """``prefill_s``: the median of ``PREFILL_SAMPLES`` 1-token generates. One sample can be far off: a single
         one once took 91 ms where the others of its run took 23-34 ms, which put that row's decode step 0.25 ms
-        short (NOTES.md, entry 54)."""
+        short (`probes/results/bench_generate_single_prefill_1b6444e.json`, NOTES.md entry 54)."""
         samples = [self.timed_generate(row["path"], row["B"], 1)[0] for _ in range(PREFILL_SAMPLES)]
         row["prefill_samples_s"] = [round(t, 4) for t in samples]
         row["prefill_s"] = statistics.median(samples)
