@@ -357,9 +357,9 @@ class Runner:
             row["status"] = "ok"
 
     def time_prefill(self, row: dict) -> None:
-        """``prefill_s``: the median of ``PREFILL_SAMPLES`` 1-token generates. One sample can be far off: a single
-        one once took 91 ms where the others of its run took 23-34 ms, which put that row's decode step 0.25 ms
-        short (`probes/results/bench_generate_single_prefill_1b6444e.json`, NOTES.md entry 54)."""
+        """``prefill_s``: the median of ``PREFILL_SAMPLES`` 1-token generates. One sample can be far off: in the run
+        at 1b6444e one took 91 ms where the other B=1 rows' took 15-34 ms, which took about 0.26 ms off that row's
+        decode step (`probes/results/bench_generate_single_prefill_1b6444e.json`, NOTES.md entry 54)."""
         samples = [self.timed_generate(row["path"], row["B"], 1)[0] for _ in range(PREFILL_SAMPLES)]
         row["prefill_samples_s"] = [round(t, 4) for t in samples]
         row["prefill_s"] = statistics.median(samples)
