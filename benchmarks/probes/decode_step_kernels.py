@@ -10,7 +10,9 @@ and the category it falls in (GEMV/GEMM, attention, norm, RoPE, elementwise, arg
 - ``session``: ``DecodeSession(model)`` (the eager modules, replayed);
 - ``kernels``: ``fuse_projections=True, layer_kernels=True`` (one GEMM for q/k/v and gate/up; flashcore's
   RMSNorm, RoPE and SiLU-and-mul);
-- ``fused_compiled``: ``compile=True, fuse_projections=True`` (bench_generate's fastest path).
+- ``fused_compiled``: ``compile=True, fuse_projections=True`` (bench_generate's fastest path until entry 54);
+- ``kernels_compiled``: ``compile=True`` with both options (the fastest since entry 54, when a B=1 step's
+  projections moved onto flashcore's GEMV).
 
 Reported: kernels per step, the sum of kernel durations, the step's span (first kernel start to last kernel end),
 the sum of gaps, time per category, and the weights' bytes over the span against 3.0 TB/s.
@@ -38,6 +40,7 @@ VARIANTS = {
     "session": dict(),
     "kernels": dict(fuse_projections=True, layer_kernels=True),
     "fused_compiled": dict(compile=True, fuse_projections=True),
+    "kernels_compiled": dict(compile=True, fuse_projections=True, layer_kernels=True),
 }
 CATEGORIES = (  # the first pattern a kernel's lower-cased name contains names its category
     ("attention", ("attention", "decode_kernel", "merge_kv", "warp_specialized")),
