@@ -61,16 +61,7 @@ def time_chain(config, weights, h, gamma, replays: int, timings: int) -> tuple[f
     graph.replay()
     torch.cuda.synchronize()
     result = out.clone()
-    samples = []
-    for _ in range(timings):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(1e3 * start.elapsed_time(end) / replays / len(weights))
+    samples = [1e3 * ms / len(weights) for ms in harness.ms_per_call_repeated(graph.replay, replays, timings)]
     return statistics.median(samples), result
 
 
