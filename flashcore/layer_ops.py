@@ -1,5 +1,6 @@
 """The decoder layer's ops around attention, on flashcore's Triton kernels: RMSNorm, rotary embedding, SiLU-and-mul,
-and the one-row GEMV of a batch-1 decode step's projections.
+and the one-row GEMV of a batch-1 decode step's projections (with the residual add, and for the down projection the
+SiLU-and-mul, folded in).
 
 Why flashcore has its own: a model step runs eagerly, replayed from a CUDA graph, or compiled. Eager and replayed
 PyTorch ops give the same bits, but inductor fuses HF's RMSNorm, RoPE and SwiGLU code without eager's intermediate
@@ -23,7 +24,7 @@ from flashcore.backends import SUPPORTED_DTYPES, on_device_of, triton_interprete
 from flashcore.kernels.triton import gemv as gemv_kernels
 from flashcore.kernels.triton import layer_kernels
 
-__all__ = ["apply_rotary_embedding", "gemv", "rms_norm", "silu_and_mul"]
+__all__ = ["apply_rotary_embedding", "gemv", "rms_norm", "silu_and_mul", "silu_and_mul_gemv"]
 
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -121,7 +122,9 @@ def apply_rotary_embedding(
     return rotated[0], rotated[1]
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, residual: torch.Tensor | None = None
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a single row of ``x``: a decode step's projection at batch 1.
 
     Args:
@@ -129,33 +132,87 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         weight: ``[N, K]``, unit stride along K (an ``nn.Linear``'s weight, or a row slice of a fused one); same
             dtype and device.
         bias: ``[N]`` or None, same dtype and device.
+        residual: ``[..., N]`` of the output's shape, contiguous, or None. Added to the rounded projection and
+            rounded again: HF's ``residual + o_proj(x)``.
 
     Returns:
         A new contiguous ``[..., N]`` tensor of ``x``'s dtype: the products summed in fp32, plus the bias, rounded
-        once.
+        once (then plus the residual, rounded).
     """
     _check_runs(x, "x")
+    _check_one_row(x, "x")
+    row = x.reshape(-1)
+    bias, residual = _check_projection(x, "x", weight, bias, residual)
+    if torch.compiler.is_compiling():
+        out = torch.ops.flashcore.gemv(row, weight, bias, residual)
+    else:
+        out = gemv_kernels.gemv_triton(row, weight, bias, residual=residual)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def silu_and_mul_gemv(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``gemv(silu_and_mul(gate, up), weight, bias, residual=residual)`` in one kernel, to the same bits: a SwiGLU
+    MLP's down projection at batch 1, which computes its input from the gate and up rows as it reads them.
+
+    Args:
+        gate: ``[..., K]`` holding one row, unit stride along K; may be a slice of a fused gate/up projection.
+        up: the same shape, dtype and device.
+        weight, bias, residual: as for :func:`gemv`.
+
+    Returns:
+        A new contiguous ``[..., N]`` tensor of ``gate``'s dtype.
+    """
+    _check_runs(gate, "gate")
+    _check_one_row(gate, "gate")
+    if up.shape != gate.shape:
+        raise ValueError(f"up must have gate's shape {tuple(gate.shape)}, got {tuple(up.shape)}")
+    _check_like(gate, "gate", up=up)
+    bias, residual = _check_projection(gate, "gate", weight, bias, residual)
+    gate_row, up_row = gate.reshape(-1), up.reshape(-1)
+    if torch.compiler.is_compiling():
+        out = torch.ops.flashcore.silu_and_mul_gemv(gate_row, up_row, weight, bias, residual)
+    else:
+        out = gemv_kernels.gemv_triton(gate_row, weight, bias, up=up_row, residual=residual)
+    return out.view(*gate.shape[:-1], weight.shape[0])
+
+
+def _check_one_row(x: torch.Tensor, name: str) -> None:
     if x.dim() == 0 or x.numel() != x.shape[-1]:
         raise ValueError(
-            f"gemv takes one row: x must be [..., K] with every leading dim 1, got shape {tuple(x.shape)}; use "
-            f"F.linear for more rows"
+            f"the GEMV takes one row: {name} must be [..., K] with every leading dim 1, got shape {tuple(x.shape)}; "
+            f"use F.linear for more rows"
         )
+
+
+def _check_projection(
+    x: torch.Tensor, name: str, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Checks the GEMV's weight, bias and residual against its one-row input; returns the bias and the residual as
+    the kernel takes them (the residual as one contiguous row)."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
-        raise ValueError(f"weight must be [N, K] with K = x.shape[-1] = {x.shape[-1]}, got {shape}")
+        raise ValueError(f"weight must be [N, K] with K = {name}.shape[-1] = {x.shape[-1]}, got {shape}")
     tensors = {"weight": weight}
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]:
             shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
             raise ValueError(f"bias must be [N] = [{weight.shape[0]}] or None, got {shape}")
         tensors["bias"] = bias
-    _check_like(x, "x", **tensors)
-    row = x.reshape(-1)
-    if torch.compiler.is_compiling():
-        out = torch.ops.flashcore.gemv(row, weight, bias)
-    else:
-        out = gemv_kernels.gemv_triton(row, weight, bias)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    if residual is not None:
+        out_shape = (*x.shape[:-1], weight.shape[0])
+        if not isinstance(residual, torch.Tensor) or residual.shape != out_shape:
+            shape = tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
+            raise ValueError(f"residual must have the output's shape {out_shape} or be None, got {shape}")
+        tensors["residual"] = residual
+    _check_like(x, name, **tensors)
+    return bias, residual.reshape(-1) if residual is not None else None
 
 
 def _check_runs(tensor: torch.Tensor, name: str) -> None:
@@ -226,11 +283,26 @@ def _(query, key, cos, sin):
 
 
 @torch.library.custom_op("flashcore::gemv", mutates_args=())
-def _gemv_op(row: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _gemv_op(
+    row: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> torch.Tensor:
     with on_device_of(row):
-        return gemv_kernels.gemv_triton(row, weight, bias)
+        return gemv_kernels.gemv_triton(row, weight, bias, residual=residual)
 
 
 @_gemv_op.register_fake
-def _(row, weight, bias):
+def _(row, weight, bias, residual):
     return row.new_empty(weight.shape[:1])
+
+
+@torch.library.custom_op("flashcore::silu_and_mul_gemv", mutates_args=())
+def _silu_and_mul_gemv_op(
+    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+) -> torch.Tensor:
+    with on_device_of(gate):
+        return gemv_kernels.gemv_triton(gate, weight, bias, up=up, residual=residual)
+
+
+@_silu_and_mul_gemv_op.register_fake
+def _(gate, up, weight, bias, residual):
+    return gate.new_empty(weight.shape[:1])

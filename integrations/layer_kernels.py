@@ -10,13 +10,14 @@ on flashcore's one-row GEMV too, which starts loading its weight while the kerne
 Every RMSNorm of the decoder (each layer's two, and the final one) gets a per-instance forward that calls
 :func:`flashcore.layer_ops.rms_norm` (``LlamaRMSNorm``'s only hook, ``use_kernel_forward_from_hub``, works only with
 the optional ``kernels`` package and Hub-hosted kernels). The RoPE and the SiLU-and-mul sit inside the attention
-and MLP forwards, so this module only sets each attention's and MLP's ``_uses_layer_kernels`` switch, which
-:mod:`~flashcore.integrations.llama_forward_fork` reads. :func:`~flashcore.integrations.llama.apply_flashcore_to_llama`
-calls :func:`check_supported`, :func:`enable` and :func:`disable`.
+and MLP forwards, and at one token the residual adds move into their GEMVs, so this module only sets each decoder
+layer's, attention's and MLP's ``_uses_layer_kernels`` switch, which :mod:`~flashcore.integrations.llama_forward_fork`
+reads. :func:`~flashcore.integrations.llama.apply_flashcore_to_llama` calls :func:`check_supported`, :func:`enable`
+and :func:`disable`.
 
-What inductor still compiles around the kernels (the residual adds) must round as eager does: HF's automatic
-compile gets ``emulate_precision_casts`` through the model's ``generation_config.compile_config``, and
-``DecodeSession(compile=True)`` sets it itself.
+What inductor still compiles around the kernels (the residual adds, where more than one token runs) must round as eager
+does: HF's automatic compile gets ``emulate_precision_casts`` through the model's ``generation_config.compile_config``,
+and ``DecodeSession(compile=True)`` sets it itself.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def enable(model: torch.nn.Module) -> None:
     for norm in _norms(model):
         norm.forward = types.MethodType(_rms_norm_forward, norm)
     for layer in model.base_model.layers:
-        layer.self_attn._uses_layer_kernels = True
-        layer.mlp._uses_layer_kernels = True
+        for module in (layer, layer.self_attn, layer.mlp):
+            module._uses_layer_kernels = True
 
 
 def disable(model: torch.nn.Module) -> None:
@@ -75,8 +76,8 @@ def disable(model: torch.nn.Module) -> None:
     for norm in _norms(model):
         norm.__dict__.pop("forward", None)
     for layer in model.base_model.layers:
-        layer.self_attn.__dict__.pop("_uses_layer_kernels", None)
-        layer.mlp.__dict__.pop("_uses_layer_kernels", None)
+        for module in (layer, layer.self_attn, layer.mlp):
+            module.__dict__.pop("_uses_layer_kernels", None)
 
 
 def _norms(model: torch.nn.Module) -> list[torch.nn.Module]:

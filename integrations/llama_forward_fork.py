@@ -1,8 +1,9 @@
-"""A fork of transformers' ``LlamaAttention.forward`` and ``LlamaMLP.forward`` (``models/llama/modeling_llama.py``,
-transformers 5.17 through 5.24: the two ends differ only in the cache keyword, ``past_key_values`` until 5.24 and
-``cache`` from it, and in 5.24 passing its kwargs on to ``cache.update``; Qwen2's and Mistral's attention differ from
-Llama's only in passing their ``sliding_window``). It is installed per instance, only on models that use one of the
-options below, and no other file of flashcore forks transformers code.
+"""A fork of transformers' ``LlamaDecoderLayer.forward``, ``LlamaAttention.forward`` and ``LlamaMLP.forward``
+(``models/llama/modeling_llama.py``, transformers 5.17 through 5.24: the two ends differ only in the cache keyword,
+``past_key_values`` until 5.24 and ``cache`` from it, and in 5.24 passing its kwargs on to ``cache.update``; Qwen2's
+and Mistral's attention differ from Llama's only in passing their ``sliding_window``, and their decoder layers are
+Llama's). It is installed per instance, only on models that use one of the options below, and no other file of
+flashcore forks transformers code.
 
 Two options of :func:`~flashcore.integrations.llama.apply_flashcore_to_llama` change what happens *inside* these
 forwards, and transformers has no extension point there:
@@ -13,15 +14,19 @@ forwards, and transformers has no extension point there:
   decorators are no-ops. Reassigning ``modeling_llama.apply_rotary_pos_emb`` would change every model in the
   process, patched or not. It also replaces the SiLU-and-mul of ``LlamaMLP.forward``
   (``act_fn(gate_proj(x)) * up_proj(x)``), which is not a module of its own, and, for an input of one token, runs
-  the projections on flashcore's one-row GEMV (:func:`flashcore.layer_ops.gemv`) instead of their modules.
+  the projections on flashcore's one-row GEMV (:func:`flashcore.layer_ops.gemv`) instead of their modules. That
+  GEMV also takes the decoder layer's residual adds, and the down projection's GEMV the SiLU-and-mul
+  (:func:`flashcore.layer_ops.silu_and_mul_gemv`): one launch where there were three. So with the layer kernels the
+  decoder layer's forward hands each residual to the attention and the MLP, whose forwards return it added
+  (``residual + o_proj(...)``, ``residual + down_proj(...)``, the same op stock's layer runs after them).
 - ``fuse_projections=True`` computes q, k and v (and gate and up) with one GEMM, whose output the stock forwards
   cannot take: they call each projection module separately.
 
-Each forward here is the stock one with exactly those two switches, read from per-instance attributes that the
-feature modules set (``_fused_projection``: :mod:`~flashcore.integrations.fused_projections`;
-``_uses_layer_kernels``: :mod:`~flashcore.integrations.layer_kernels`); with both off it computes what the stock
-forward computes. The attention function is looked up as transformers looks it up, so the fork runs whichever
-attention the model is set to. Only :func:`sync_forwards`, called by ``apply_flashcore_to_llama`` and
+Each forward here is the stock one with exactly those two switches, read from per-instance attributes that the feature
+modules set (``_fused_projection``: :mod:`~flashcore.integrations.fused_projections`; ``_uses_layer_kernels``:
+:mod:`~flashcore.integrations.layer_kernels`, on the decoder layer, its attention and its MLP); with both off it
+computes what the stock forward computes. The attention function is looked up as transformers looks it up, so the fork
+runs whichever attention the model is set to. Only :func:`sync_forwards`, called by ``apply_flashcore_to_llama`` and
 ``remove_flashcore`` once the switches are set, installs or removes these forwards.
 """
 
@@ -40,13 +45,33 @@ SWITCHES = ("_fused_projection", "_uses_layer_kernels")
 
 
 def sync_forwards(model: torch.nn.Module) -> None:
-    """Gives each layer's attention and MLP the forward below while a switch is on, and its class forward otherwise."""
+    """Gives each layer's attention and MLP the forward below while a switch is on, and its class forward otherwise;
+    the same for the decoder layer, except where something else replaced its forward (accelerate's ``device_map``
+    hooks wrap the layer's): that forward is kept, and it adds the residuals as stock's layer does."""
     for layer in model.base_model.layers:
         for module, forward in ((layer.self_attn, attention_forward), (layer.mlp, mlp_forward)):
             if any(switch in module.__dict__ for switch in SWITCHES):
                 module.forward = types.MethodType(forward, module)
             else:
                 module.__dict__.pop("forward", None)
+        current = layer.__dict__.get("forward")
+        if current is None or getattr(current, "__func__", None) is decoder_layer_forward:
+            if "_uses_layer_kernels" in layer.__dict__:
+                layer.forward = types.MethodType(decoder_layer_forward, layer)
+            else:
+                layer.__dict__.pop("forward", None)
+
+
+def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``LlamaDecoderLayer.forward`` with each residual add inside the sublayer's last projection; installed with the
+    layer kernels only, whose attention and MLP forwards (below) take ``residual``. ``kwargs`` (the mask, positions,
+    cache and rotary embedding, by whichever names the model passes them) go to the attention as stock's do."""
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, residual=residual, **kwargs)
+    residual = hidden_states
+    hidden_states = self.post_attention_layernorm(hidden_states)
+    return self.mlp(hidden_states, residual=residual)
 
 
 def attention_forward(
@@ -54,9 +79,11 @@ def attention_forward(
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     attention_mask: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``LlamaAttention.forward``; the decoder layer passes the cache as ``cache`` (5.24) or ``past_key_values``."""
+    """``LlamaAttention.forward``; the decoder layer passes the cache as ``cache`` (5.24) or ``past_key_values``.
+    With ``residual`` (from :func:`decoder_layer_forward`) it returns ``residual + o_proj(...)``."""
     cache = kwargs.pop("cache", None)
     cache = kwargs.pop("past_key_values", None) if cache is None else cache
     input_shape = hidden_states.shape[:-1]
@@ -90,27 +117,29 @@ def attention_forward(
     )
 
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    attn_output = _project(self, attn_output, ("o_proj",))[0]
+    attn_output = _project_residual(self, attn_output, "o_proj", residual)
     return attn_output, attn_weights
 
 
-def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """``LlamaMLP.forward``."""
+def mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``LlamaMLP.forward``; with ``residual`` (from :func:`decoder_layer_forward`) it returns ``residual + mlp(x)``."""
     gate, up = _project(self, x, ("gate_proj", "up_proj"))
-    if self.__dict__.get("_uses_layer_kernels"):
-        return _project(self, layer_ops.silu_and_mul(gate, up), ("down_proj",))[0]
-    return self.down_proj(self.act_fn(gate) * up)
+    if not self.__dict__.get("_uses_layer_kernels"):
+        return self.down_proj(self.act_fn(gate) * up)
+    if _runs_gemv(self, gate) and _is_plain_linear(self.down_proj):
+        return layer_ops.silu_and_mul_gemv(gate, up, self.down_proj.weight, self.down_proj.bias, residual=residual)
+    return _project_residual(self, layer_ops.silu_and_mul(gate, up), "down_proj", residual)
 
 
 def _project(module: torch.nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
     """The projections ``names`` of ``module`` applied to ``x``.
 
     Through the fused GEMM where the module has one (``names`` are then the ones it fused). On flashcore's one-row
-    GEMV where the layer kernels are on, ``x`` is a single token (a batch-1 decode step) and the projection is the
-    fused one or a plain ``nn.Linear``: no hooks (tensor parallelism's are hooks) and no forward replaced by anything
-    but ``onednn_linears``. Otherwise each module, as the stock forward calls it."""
+    GEMV where :func:`_runs_gemv` and the projection is the fused one or a plain ``nn.Linear``: no hooks (tensor
+    parallelism's are hooks) and no forward replaced by anything but ``onednn_linears``. Otherwise each module, as
+    the stock forward calls it."""
     fused = module.__dict__.get("_fused_projection") if len(names) > 1 else None
-    one_row = module.__dict__.get("_uses_layer_kernels") and x.numel() == x.shape[-1]
+    one_row = _runs_gemv(module, x)
     if fused is not None:
         if one_row:
             return layer_ops.gemv(x, fused.weight, fused.bias).split(fused.out_features, dim=-1)
@@ -120,6 +149,23 @@ def _project(module: torch.nn.Module, x: torch.Tensor, names: tuple[str, ...]) -
         layer_ops.gemv(x, linear.weight, linear.bias) if one_row and _is_plain_linear(linear) else linear(x)
         for linear in linears
     )
+
+
+def _project_residual(
+    module: torch.nn.Module, x: torch.Tensor, name: str, residual: torch.Tensor | None
+) -> torch.Tensor:
+    """``residual + module.<name>(x)`` (or the projection alone without a residual), the add inside the GEMV where
+    :func:`_project` would run it."""
+    linear = getattr(module, name)
+    if _runs_gemv(module, x) and _is_plain_linear(linear):
+        return layer_ops.gemv(x, linear.weight, linear.bias, residual=residual)
+    out = linear(x)
+    return out if residual is None else residual + out
+
+
+def _runs_gemv(module: torch.nn.Module, x: torch.Tensor) -> bool:
+    """The layer kernels are on and ``x`` is a single token: a batch-1 decode step."""
+    return bool(module.__dict__.get("_uses_layer_kernels")) and x.numel() == x.shape[-1]
 
 
 def _is_plain_linear(linear: torch.nn.Module) -> bool:

@@ -130,11 +130,46 @@ def test_gemv_matches_fp64_linear(n, k, leading, with_bias, dtype, device, gener
     assert bool((error <= bound).all()), f"worst excess {float((error - bound).max())}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k", [(37, 100), (300, 2500)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_gemv_folds_the_residual_add_and_the_swiglu(n, k, with_bias, dtype, device, generator):
+    """The residual and the SwiGLU input inside the GEMV give the bits of the separate ops they replace: the GEMV,
+    then PyTorch's ``residual + out`` (an fp32 add rounded once); ``silu_and_mul``, then the GEMV. Both checked
+    against fp64 on their own above. The gate and up are the halves of one fused projection's output, as a decode
+    step's are."""
+    fused = randn((1, 1, 2 * k), generator=generator, dtype=dtype, device=device) * 4
+    gate, up = fused.split(k, dim=-1)
+    x = randn((1, 1, k), generator=generator, dtype=dtype, device=device)
+    weight = randn((n, k), generator=generator, dtype=dtype, device=device) / k**0.5
+    bias = randn((n,), generator=generator, dtype=dtype, device=device) if with_bias else None
+    residual = randn((1, 1, n), generator=generator, dtype=dtype, device=device)
+
+    added = layer_ops.gemv(x, weight, bias, residual=residual)
+    down = layer_ops.silu_and_mul_gemv(gate, up, weight, bias)
+    down_added = layer_ops.silu_and_mul_gemv(gate, up, weight, bias, residual=residual)
+
+    assert torch.equal(added, residual + layer_ops.gemv(x, weight, bias))
+    separate = layer_ops.gemv(layer_ops.silu_and_mul(gate, up), weight, bias)
+    assert torch.equal(down, separate) and torch.equal(down_added, residual + separate)
+    assert down_added.shape == (1, 1, n) and down_added.dtype == dtype
+
+
 def test_gemv_errors_name_the_argument_and_the_fix(device, generator):
     x = randn((1, 64), generator=generator, dtype=torch.float32, device=device)
     weight = randn((16, 64), generator=generator, dtype=torch.float32, device=device)
-    with pytest.raises(ValueError, match="gemv takes one row.*use F.linear"):
+    with pytest.raises(ValueError, match="GEMV takes one row: x must be.*use F.linear"):
         layer_ops.gemv(x.expand(2, 64), weight)
+    with pytest.raises(ValueError, match="GEMV takes one row: gate must be"):
+        layer_ops.silu_and_mul_gemv(x.expand(2, 64), x.expand(2, 64), weight)
+    with pytest.raises(ValueError, match=r"weight must be \[N, K\] with K = gate.shape\[-1\] = 64"):
+        layer_ops.silu_and_mul_gemv(x, x, weight[:, :32])
+    with pytest.raises(ValueError, match="up must have gate's shape"):
+        layer_ops.silu_and_mul_gemv(x, x[:, :32], weight)
+    with pytest.raises(ValueError, match=r"residual must have the output's shape \(1, 16\)"):
+        layer_ops.gemv(x, weight, residual=x)
+    with pytest.raises(TypeError, match="residual dtype torch.float16 must match x"):
+        layer_ops.gemv(x, weight, residual=x[:, :16].half())
     with pytest.raises(ValueError, match=r"weight must be \[N, K\] with K = x.shape\[-1\] = 64"):
         layer_ops.gemv(x, weight[:, :32])
     with pytest.raises(ValueError, match=r"bias must be \[N\] = \[16\]"):
@@ -181,9 +216,9 @@ def layer_kernel_launches(monkeypatch):
     ):
         run = getattr(module, name)
 
-        def counting(*args, _name=name, _run=run):
+        def counting(*args, _name=name, _run=run, **kwargs):
             counts[_name] = counts.get(_name, 0) + 1
-            return _run(*args)
+            return _run(*args, **kwargs)
 
         monkeypatch.setattr(module, name, counting)
     return counts
@@ -227,8 +262,8 @@ def test_patched_model_matches_stock_and_runs_the_kernels(
 @pytest.mark.parametrize("with_bias", [False, True], ids=["llama", "qwen2_biases"])
 @torch.no_grad()
 def test_batch_1_decode_runs_the_gemv(fuse_first, with_bias, device, generator, request, layer_kernel_launches):
-    """At one row per step every projection of a decode step runs on the GEMV (stock's tokens and logits); the
-    prefill, with more rows, keeps the model's GEMMs."""
+    """At one row per step every projection of a decode step runs on the GEMV, with the residual adds and the
+    SiLU-and-mul inside (stock's tokens and logits); the prefill, with more rows, keeps the model's GEMMs."""
     seed = seed_of(request)
     model = tiny_same_attention_model("qwen2", seed, device) if with_bias else tiny_llama("gqa", seed, device)
     input_ids, attention_mask = random_prompts([6], generator, device)
@@ -247,7 +282,10 @@ def test_batch_1_decode_runs_the_gemv(fuse_first, with_bias, device, generator, 
     assert torch.equal(tokens, expected)
     projections = 4 if fuse_first else 7  # q/k/v, o, gate/up, down; or each of the seven
     decode_steps = 3  # the 4 new tokens: the prefill's, then 3 one-row decode steps
-    assert gemv_launches == decode_steps * model.config.num_hidden_layers * projections
+    layers = model.config.num_hidden_layers
+    assert gemv_launches == decode_steps * layers * projections
+    # The decode steps' SiLU-and-mul runs inside the down projection's GEMV; the prefill's on its own kernel.
+    assert layer_kernel_launches["silu_and_mul_triton"] == layers
     torch.testing.assert_close(logits, stock_logits, rtol=1e-4, atol=1e-4)
 
 

@@ -5,7 +5,10 @@ Issue 29 asks where a B=1 decode step's time goes beyond streaming the weights. 
 captures the step, then runs ``--steps`` replays under torch.profiler (CUDA activity) and reads the kernels back in
 start order. The replays are cut into steps by kernel count (every replay launches the same kernels), and the
 median step is reported kernel by kernel: name, duration, the idle gap before it (from the previous kernel's end),
-and the category it falls in (GEMV/GEMM, attention, norm, RoPE, elementwise, argmax, other). Per variant:
+and the category it falls in (GEMV/GEMM, attention, norm, RoPE, elementwise, argmax, other), and its *advance*: how far
+its end moves the latest end of the kernels before it. Under programmatic dependent launch a kernel starts while
+the one before it drains and waits inside (``gdc_wait``), so its duration counts time the two share; the advances
+add up to the step's span, each kernel's share of it. Per variant:
 
 - ``session``: ``DecodeSession(model)`` (the eager modules, replayed);
 - ``kernels``: ``fuse_projections=True, layer_kernels=True`` (one GEMM for q/k/v and gate/up; flashcore's
@@ -15,7 +18,7 @@ and the category it falls in (GEMV/GEMM, attention, norm, RoPE, elementwise, arg
   projections moved onto flashcore's GEMV).
 
 Reported: kernels per step, the sum of kernel durations, the step's span (first kernel start to last kernel end),
-the sum of gaps, time per category, and the weights' bytes over the span against 3.0 TB/s.
+the sum of gaps, duration and advance per category, and the weights' bytes over the span against 3.0 TB/s.
 
     python benchmarks/probes/decode_step_kernels.py --out benchmarks/probes/results/decode_step_kernels.json
 """
@@ -89,7 +92,14 @@ def profile_variant(model, input_ids, options: dict, steps: int) -> dict:
         for kernel in step:
             start, end = kernel.time_range.start, kernel.time_range.end  # µs
             gap = 0.0 if previous_end is None else max(0.0, start - previous_end)
-            row = {"name": kernel.name[:120], "category": category(kernel.name), "us": end - start, "gap_us": gap}
+            advance = end - start if previous_end is None else max(0.0, end - previous_end)
+            row = {
+                "name": kernel.name[:120],
+                "category": category(kernel.name),
+                "us": end - start,
+                "gap_us": gap,
+                "advance_us": advance,
+            }
             rows.append(row)
             previous_end = max(end, previous_end or end)
         span = step[-1].time_range.end - step[0].time_range.start
@@ -97,8 +107,10 @@ def profile_variant(model, input_ids, options: dict, steps: int) -> dict:
     median_span = statistics.median(step["span_us"] for step in step_rows)
     step = min(step_rows, key=lambda s: abs(s["span_us"] - median_span))  # the step nearest the median span
     by_category: dict[str, float] = {}
+    advance_by_category: dict[str, float] = {}
     for row in step["rows"]:
         by_category[row["category"]] = by_category.get(row["category"], 0.0) + row["us"]
+        advance_by_category[row["category"]] = advance_by_category.get(row["category"], 0.0) + row["advance_us"]
     return {
         "kernels_per_step": per_step,
         "span_us_median": median_span,
@@ -106,6 +118,7 @@ def profile_variant(model, input_ids, options: dict, steps: int) -> dict:
         "kernel_us_sum": sum(row["us"] for row in step["rows"]),
         "gap_us_sum": sum(row["gap_us"] for row in step["rows"]),
         "us_by_category": by_category,
+        "advance_us_by_category": advance_by_category,
         "kernels_by_category": {c: sum(r["category"] == c for r in step["rows"]) for c in by_category},
         "median_step": step["rows"],
     }
@@ -139,7 +152,8 @@ def main() -> None:
               f"{summary['kernel_us_sum']:.0f} us, gaps {summary['gap_us_sum']:.0f} us, "
               f"{summary['weights_pct_of_3tb_over_span']:.1f}% of 3 TB/s", flush=True)  # fmt: skip
         for label, us in sorted(summary["us_by_category"].items(), key=lambda item: -item[1]):
-            print(f"   {label}: {us:.0f} us in {summary['kernels_by_category'][label]} kernels", flush=True)
+            count, advance = summary["kernels_by_category"][label], summary["advance_us_by_category"][label]
+            print(f"   {label}: {us:.0f} us in {count} kernels, advance {advance:.0f} us", flush=True)
         if variant_model is not model:
             del variant_model
             torch.cuda.empty_cache()

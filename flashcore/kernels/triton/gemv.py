@@ -10,6 +10,13 @@ never are.
 
 Each program owns ``BLOCK_N`` outputs and walks K in ``BLOCK_K`` steps, accumulating ``w * x`` elementwise in fp32;
 one reduction per output at the end, then the bias, then one rounding to the output dtype.
+
+Two options fold the decoder layer's neighbouring pointwise work into the GEMV, each one launch fewer per layer:
+
+- ``residual``: adds a residual to the rounded output and rounds again, HF's ``residual + o_proj(x)`` (and
+  ``+ down_proj(...)``);
+- ``up``: the input row is ``silu(x) * up`` with ``silu_and_mul``'s roundings (``layer_kernels.py``), computed per
+  K step from the gate and up rows: the down projection of a SwiGLU MLP, without its input written and read back.
 """
 
 from __future__ import annotations
@@ -20,20 +27,34 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
+from flashcore.kernels.triton.layer_kernels import silu_and_mul
+
+
+@triton.jit
+def _gemv_input(x_ptr, up_ptr, cols, mask_k, SWIGLU: tl.constexpr):
+    """The input row at ``cols``, in fp32: ``x``, or ``silu(x) * up`` rounded as ``silu_and_mul`` rounds."""
+    x = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
+    if SWIGLU:
+        x = silu_and_mul(x, tl.load(up_ptr + cols, mask=mask_k, other=0.0))
+    return x.to(tl.float32)
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr,  # [K]
+    x_ptr,  # [K]; the gate row when SWIGLU
+    up_ptr,  # [K]; read only when SWIGLU
     weight_ptr,  # [N, K], unit stride along K
     bias_ptr,  # [N]; read only when HAS_BIAS
+    residual_ptr,  # [N]; read only when HAS_RESIDUAL
     out_ptr,  # [N]
     n,
     k,
     stride_weight_n,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SWIGLU: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -47,22 +68,24 @@ def _gemv_kernel(
     if USE_PDL:
         gdc_wait()  # x comes from the kernel before
         gdc_launch_dependents()
-    x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    acc = w.to(tl.float32) * _gemv_input(x_ptr, up_ptr, offs_k, mask_k, SWIGLU)[None, :]
 
     # stage 2: the rest of K
     for start in range(BLOCK_K, k, BLOCK_K):
         cols = start + offs_k
         mask_k = cols < k
         w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += w.to(tl.float32) * _gemv_input(x_ptr, up_ptr, cols, mask_k, SWIGLU)[None, :]
 
     # epilogue
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+    out = out.to(out_ptr.dtype.element_ty)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + offs_n, mask=mask_n, other=0.0)
+        out = (out.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_n, out, mask=mask_n)
 
 
 _launch_gemv = CachedLauncher(_gemv_kernel)
@@ -81,20 +104,34 @@ def gemv_config(n: int, k: int) -> dict:
 
 
 def gemv_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: dict | None = None,
+    *,
+    up: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` ``[K]`` contiguous, ``weight`` ``[N, K]`` with unit stride along K, ``bias`` ``[N]`` or None; returns a
-    new ``[N]``. ``config`` overrides :func:`gemv_config` (probes sweep it)."""
+    new ``[N]``. With ``up`` (``[K]`` contiguous) the input is ``silu(x) * up``; with ``residual`` (``[N]``
+    contiguous) it is added to the output. ``config`` overrides :func:`gemv_config` (probes sweep it)."""
     n, k = weight.shape
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     config = config or gemv_config(n, k)
     use_pdl = uses_programmatic_launch(x.device)
+    unused = out  # stands in for the pointers the constexpr switches keep the kernel from reading
     _launch_gemv(
         (triton.cdiv(n, config["block_n"]), 1, 1),
-        (x, weight, bias if bias is not None else out, out, n, k, weight.stride(0)),
-        dict(BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], HAS_BIAS=bias is not None, USE_PDL=use_pdl),
+        (
+            x, up if up is not None else unused, weight, bias if bias is not None else unused,
+            residual if residual is not None else unused, out, n, k, weight.stride(0),
+        ),
+        dict(
+            BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], SWIGLU=up is not None, HAS_BIAS=bias is not None,
+            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
+        ),
         num_warps=config["num_warps"],
         num_stages=1,
         launch_pdl=use_pdl,
-    )
+    )  # fmt: skip
     return out

@@ -70,10 +70,19 @@ def _silu_and_mul_kernel(
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    gate = tl.load(gate_ptr + row * stride_gate_row + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + row * stride_up_row + offs, mask=mask, other=0.0).to(tl.float32)
-    activated = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * width + offs, (activated * up).to(out_ptr.dtype.element_ty), mask=mask)
+    gate = tl.load(gate_ptr + row * stride_gate_row + offs, mask=mask, other=0.0)
+    up = tl.load(up_ptr + row * stride_up_row + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * width + offs, silu_and_mul(gate, up), mask=mask)
+
+
+@triton.jit
+def silu_and_mul(gate, up):
+    """``silu(gate).to(dtype) * up`` rounded to the dtype, for two blocks of the same dtype; the GEMV of the down
+    projection (``flashcore/kernels/triton/gemv.py``) computes its input with it too, to the same bits."""
+    dtype = gate.dtype
+    gate = gate.to(tl.float32)
+    activated = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (activated * up.to(tl.float32)).to(dtype)
 
 
 @triton.jit
