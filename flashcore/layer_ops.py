@@ -1,6 +1,6 @@
 """The decoder layer's ops around attention, on flashcore's Triton kernels: RMSNorm, rotary embedding, SiLU-and-mul,
-and the one-row GEMV of a batch-1 decode step's projections (with the residual add, and for the down projection the
-SiLU-and-mul, folded in).
+and the one-row GEMV of a batch-1 decode step's projections (with the RMSNorm before them, the residual add after
+them, and for the down projection the SiLU-and-mul folded in).
 
 Why flashcore has its own: a model step runs eagerly, replayed from a CUDA graph, or compiled. Eager and replayed
 PyTorch ops give the same bits, but inductor fuses HF's RMSNorm, RoPE and SwiGLU code without eager's intermediate
@@ -123,7 +123,13 @@ def apply_rotary_embedding(
 
 
 def gemv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a single row of ``x``: a decode step's projection at batch 1.
 
@@ -132,6 +138,10 @@ def gemv(
         weight: ``[N, K]``, unit stride along K (an ``nn.Linear``'s weight, or a row slice of a fused one); same
             dtype and device.
         bias: ``[N]`` or None, same dtype and device.
+        norm_weight: ``[K]`` or None. With it the projection's input is ``rms_norm(x, norm_weight, eps)``, computed
+            inside the GEMV with the norm's roundings (an input value may round the other way than
+            :func:`rms_norm`'s, which sums the squares in another order): HF's ``q_proj(input_layernorm(x))``.
+        eps: the norm's, >= 0; used only with ``norm_weight``.
         residual: ``[..., N]`` of the output's shape, contiguous, or None. Added to the rounded projection and
             rounded again: HF's ``residual + o_proj(x)``.
 
@@ -143,10 +153,17 @@ def gemv(
     _check_one_row(x, "x")
     row = x.reshape(-1)
     bias, residual = _check_projection(x, "x", weight, bias, residual)
+    if norm_weight is not None:
+        if not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != x.shape[-1:]:
+            shape = tuple(norm_weight.shape) if isinstance(norm_weight, torch.Tensor) else type(norm_weight).__name__
+            raise ValueError(f"norm_weight must be [K] = [{x.shape[-1]}] or None, got {shape}")
+        _check_like(x, "x", norm_weight=norm_weight)
+        if not eps >= 0:
+            raise ValueError(f"eps must be >= 0, got {eps!r}")
     if torch.compiler.is_compiling():
-        out = torch.ops.flashcore.gemv(row, weight, bias, residual)
+        out = torch.ops.flashcore.gemv(row, weight, bias, residual, norm_weight, float(eps))
     else:
-        out = gemv_kernels.gemv_triton(row, weight, bias, residual=residual)
+        out = gemv_kernels.gemv_triton(row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -284,14 +301,19 @@ def _(query, key, cos, sin):
 
 @torch.library.custom_op("flashcore::gemv", mutates_args=())
 def _gemv_op(
-    row: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
+    row: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
 ) -> torch.Tensor:
     with on_device_of(row):
-        return gemv_kernels.gemv_triton(row, weight, bias, residual=residual)
+        return gemv_kernels.gemv_triton(row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual)
 
 
 @_gemv_op.register_fake
-def _(row, weight, bias, residual):
+def _(row, weight, bias, residual, norm_weight, eps):
     return row.new_empty(weight.shape[:1])
 
 

@@ -80,6 +80,15 @@ def disable(model: torch.nn.Module) -> None:
             module.__dict__.pop("_uses_layer_kernels", None)
 
 
+def runs_kernel_norm(norm: torch.nn.Module) -> bool:
+    """Whether ``norm``'s forward is exactly :func:`flashcore.layer_ops.rms_norm` with its weight and epsilon (set by
+    :func:`enable`, no hooks), so a GEMV may compute it instead (``layer_ops.gemv(..., norm_weight=...)``)."""
+    forward = norm.__dict__.get("forward")
+    return getattr(forward, "__func__", None) is _rms_norm_forward and not (
+        norm._forward_hooks or norm._forward_pre_hooks
+    )
+
+
 def _norms(model: torch.nn.Module) -> list[torch.nn.Module]:
     decoder = model.base_model
     layers = [norm for layer in decoder.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]

@@ -15,10 +15,11 @@ forwards, and transformers has no extension point there:
   process, patched or not. It also replaces the SiLU-and-mul of ``LlamaMLP.forward``
   (``act_fn(gate_proj(x)) * up_proj(x)``), which is not a module of its own, and, for an input of one token, runs
   the projections on flashcore's one-row GEMV (:func:`flashcore.layer_ops.gemv`) instead of their modules. That
-  GEMV also takes the decoder layer's residual adds, and the down projection's GEMV the SiLU-and-mul
-  (:func:`flashcore.layer_ops.silu_and_mul_gemv`): one launch where there were three. So with the layer kernels the
-  decoder layer's forward hands each residual to the attention and the MLP, whose forwards return it added
-  (``residual + o_proj(...)``, ``residual + down_proj(...)``, the same op stock's layer runs after them).
+  GEMV also takes the decoder layer's RMSNorms and residual adds, and the down projection's GEMV the SiLU-and-mul
+  (:func:`flashcore.layer_ops.silu_and_mul_gemv`): four launches per layer where there were nine. So with the layer
+  kernels the decoder layer's forward hands each sublayer its norm and its residual. The attention and the MLP
+  forwards apply the norm first (or inside the GEMV) and return the residual added (``residual + o_proj(...)``,
+  ``residual + down_proj(...)``), what stock's layer computes around them.
 - ``fuse_projections=True`` computes q, k and v (and gate and up) with one GEMM, whose output the stock forwards
   cannot take: they call each projection module separately.
 
@@ -39,7 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, eager_attention_forward
 
 from flashcore import layer_ops
-from flashcore.integrations import onednn_linears
+from flashcore.integrations import layer_kernels, onednn_linears
 
 SWITCHES = ("_fused_projection", "_uses_layer_kernels")
 
@@ -63,15 +64,15 @@ def sync_forwards(model: torch.nn.Module) -> None:
 
 
 def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-    """``LlamaDecoderLayer.forward`` with each residual add inside the sublayer's last projection; installed with the
-    layer kernels only, whose attention and MLP forwards (below) take ``residual``. ``kwargs`` (the mask, positions,
-    cache and rotary embedding, by whichever names the model passes them) go to the attention as stock's do."""
+    """``LlamaDecoderLayer.forward`` with each RMSNorm and residual add handed to the sublayer after and before it;
+    installed with the layer kernels only, whose attention and MLP forwards (below) take ``norm`` and ``residual``.
+    ``kwargs`` (the mask, positions, cache and rotary embedding, by whichever names the model passes them) go to the
+    attention as stock's do."""
     residual = hidden_states
-    hidden_states = self.input_layernorm(hidden_states)
-    hidden_states, _ = self.self_attn(hidden_states=hidden_states, residual=residual, **kwargs)
-    residual = hidden_states
-    hidden_states = self.post_attention_layernorm(hidden_states)
-    return self.mlp(hidden_states, residual=residual)
+    hidden_states, _ = self.self_attn(
+        hidden_states=hidden_states, norm=self.input_layernorm, residual=residual, **kwargs
+    )
+    return self.mlp(hidden_states, norm=self.post_attention_layernorm, residual=hidden_states)
 
 
 def attention_forward(
@@ -79,17 +80,19 @@ def attention_forward(
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
     attention_mask: torch.Tensor | None = None,
+    norm: torch.nn.Module | None = None,
     residual: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``LlamaAttention.forward``; the decoder layer passes the cache as ``cache`` (5.24) or ``past_key_values``.
-    With ``residual`` (from :func:`decoder_layer_forward`) it returns ``residual + o_proj(...)``."""
+    From :func:`decoder_layer_forward`, ``norm`` (the layer's input RMSNorm, still to apply to ``hidden_states``) and
+    ``residual``: it then returns ``residual + o_proj(...)``."""
     cache = kwargs.pop("cache", None)
     cache = kwargs.pop("past_key_values", None) if cache is None else cache
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 
-    projected = _project(self, hidden_states, ("q_proj", "k_proj", "v_proj"))
+    projected = _project(self, hidden_states, ("q_proj", "k_proj", "v_proj"), norm)
     query_states, key_states, value_states = (states.view(hidden_shape).transpose(1, 2) for states in projected)
 
     cos, sin = position_embeddings
@@ -121,9 +124,12 @@ def attention_forward(
     return attn_output, attn_weights
 
 
-def mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``LlamaMLP.forward``; with ``residual`` (from :func:`decoder_layer_forward`) it returns ``residual + mlp(x)``."""
-    gate, up = _project(self, x, ("gate_proj", "up_proj"))
+def mlp_forward(
+    self, x: torch.Tensor, norm: torch.nn.Module | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``LlamaMLP.forward``; with ``norm`` and ``residual`` (from :func:`decoder_layer_forward`) it returns
+    ``residual + mlp(norm(x))``."""
+    gate, up = _project(self, x, ("gate_proj", "up_proj"), norm)
     if not self.__dict__.get("_uses_layer_kernels"):
         return self.down_proj(self.act_fn(gate) * up)
     if _runs_gemv(self, gate) and _is_plain_linear(self.down_proj):
@@ -131,24 +137,26 @@ def mlp_forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> 
     return _project_residual(self, layer_ops.silu_and_mul(gate, up), "down_proj", residual)
 
 
-def _project(module: torch.nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
-    """The projections ``names`` of ``module`` applied to ``x``.
+def _project(
+    module: torch.nn.Module, x: torch.Tensor, names: tuple[str, ...], norm: torch.nn.Module | None = None
+) -> tuple[torch.Tensor, ...]:
+    """The projections ``names`` of ``module`` applied to ``x``, or to ``norm(x)`` where a norm is given.
 
     Through the fused GEMM where the module has one (``names`` are then the ones it fused). On flashcore's one-row
-    GEMV where :func:`_runs_gemv` and the projection is the fused one or a plain ``nn.Linear``: no hooks (tensor
-    parallelism's are hooks) and no forward replaced by anything but ``onednn_linears``. Otherwise each module, as
-    the stock forward calls it."""
+    GEMV where :func:`_runs_gemv` and every projection is the fused one or a plain ``nn.Linear``: no hooks (tensor
+    parallelism's are hooks) and no forward replaced by anything but ``onednn_linears``; the GEMV then computes the
+    norm too where that runs flashcore's (``runs_kernel_norm``). Otherwise each module, as the stock forward calls
+    it."""
     fused = module.__dict__.get("_fused_projection") if len(names) > 1 else None
-    one_row = _runs_gemv(module, x)
-    if fused is not None:
-        if one_row:
-            return layer_ops.gemv(x, fused.weight, fused.bias).split(fused.out_features, dim=-1)
-        return fused(x)
-    linears = [getattr(module, name) for name in names]
-    return tuple(
-        layer_ops.gemv(x, linear.weight, linear.bias) if one_row and _is_plain_linear(linear) else linear(x)
-        for linear in linears
-    )
+    linears = [fused] if fused is not None else [getattr(module, name) for name in names]
+    one_row = _runs_gemv(module, x) and (fused is not None or all(map(_is_plain_linear, linears)))
+    if norm is not None and not (one_row and layer_kernels.runs_kernel_norm(norm)):
+        x, norm = norm(x), None
+    if not one_row:
+        return fused(x) if fused is not None else tuple(linear(x) for linear in linears)
+    folded = {} if norm is None else dict(norm_weight=norm.weight, eps=norm.variance_epsilon)
+    outputs = tuple(layer_ops.gemv(x, linear.weight, linear.bias, **folded) for linear in linears)
+    return outputs[0].split(fused.out_features, dim=-1) if fused is not None else outputs
 
 
 def _project_residual(

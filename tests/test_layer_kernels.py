@@ -155,6 +155,29 @@ def test_gemv_folds_the_residual_add_and_the_swiglu(n, k, with_bias, dtype, devi
     assert down_added.shape == (1, 1, n) and down_added.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k", [(37, 100), (300, 2500)])
+def test_gemv_folds_the_rms_norm(n, k, dtype, device, generator):
+    """``gemv(x, W, norm_weight=w, eps=e)`` against fp64 ``W @ rms_norm(x, w, e)``, the norm's output taken from
+    :func:`layer_ops.rms_norm` (itself checked against ``LlamaRMSNorm`` above). The GEMV sums the squares in another
+    order, so an input value may round to its neighbour: the bound adds one ulp of every input to the GEMV's."""
+    x = randn((1, 1, k), generator=generator, dtype=dtype, device=device) * 3
+    norm_weight = 1 + randn((k,), generator=generator, dtype=dtype, device=device) / 4
+    weight = randn((n, k), generator=generator, dtype=dtype, device=device) / k**0.5
+    bias = randn((n,), generator=generator, dtype=dtype, device=device)
+
+    out = layer_ops.gemv(x, weight, bias, norm_weight=norm_weight, eps=1e-5)
+
+    normed64 = layer_ops.rms_norm(x, norm_weight, 1e-5).reshape(-1).double()
+    weight64 = weight.double()
+    expected = weight64 @ normed64 + bias.double()
+    magnitude = weight64.abs() @ normed64.abs()
+    eps = torch.finfo(dtype).eps
+    bound = eps / 2 * expected.abs() + k * torch.finfo(torch.float32).eps * magnitude + eps * magnitude
+    error = (out.reshape(-1).double() - expected).abs()
+    assert bool((error <= bound).all()), f"worst excess {float((error - bound).max())}"
+
+
 def test_gemv_errors_name_the_argument_and_the_fix(device, generator):
     x = randn((1, 64), generator=generator, dtype=torch.float32, device=device)
     weight = randn((16, 64), generator=generator, dtype=torch.float32, device=device)
@@ -170,6 +193,10 @@ def test_gemv_errors_name_the_argument_and_the_fix(device, generator):
         layer_ops.gemv(x, weight, residual=x)
     with pytest.raises(TypeError, match="residual dtype torch.float16 must match x"):
         layer_ops.gemv(x, weight, residual=x[:, :16].half())
+    with pytest.raises(ValueError, match=r"norm_weight must be \[K\] = \[64\]"):
+        layer_ops.gemv(x, weight, norm_weight=x[0, :32])
+    with pytest.raises(ValueError, match="eps must be >= 0"):
+        layer_ops.gemv(x, weight, norm_weight=x[0], eps=-1.0)
     with pytest.raises(ValueError, match=r"weight must be \[N, K\] with K = x.shape\[-1\] = 64"):
         layer_ops.gemv(x, weight[:, :32])
     with pytest.raises(ValueError, match=r"bias must be \[N\] = \[16\]"):
@@ -276,16 +303,20 @@ def test_batch_1_decode_runs_the_gemv(fuse_first, with_bias, device, generator, 
     apply_flashcore_to_llama(model, backend="torch", fuse_projections=fuse_first, layer_kernels=True)
     layer_kernel_launches.clear()
     tokens = model.generate(input_ids, **kwargs)
-    gemv_launches = layer_kernel_launches.get("gemv_triton", 0)
+    launches = dict(layer_kernel_launches)
     logits = model(expected[:, -1:], use_cache=False).logits
 
     assert torch.equal(tokens, expected)
     projections = 4 if fuse_first else 7  # q/k/v, o, gate/up, down; or each of the seven
     decode_steps = 3  # the 4 new tokens: the prefill's, then 3 one-row decode steps
     layers = model.config.num_hidden_layers
-    assert gemv_launches == decode_steps * layers * projections
-    # The decode steps' SiLU-and-mul runs inside the down projection's GEMV; the prefill's on its own kernel.
-    assert layer_kernel_launches["silu_and_mul_triton"] == layers
+    # A decode step's RMSNorms (but the final one) and SiLU-and-mul run inside the GEMVs; the prefill's on their own.
+    assert launches == {
+        "gemv_triton": decode_steps * layers * projections,
+        "rms_norm_triton": 2 * layers + 1 + decode_steps,
+        "rotary_embedding_triton": layers * (1 + decode_steps),
+        "silu_and_mul_triton": layers,
+    }
     torch.testing.assert_close(logits, stock_logits, rtol=1e-4, atol=1e-4)
 
 

@@ -11,12 +11,16 @@ never are.
 Each program owns ``BLOCK_N`` outputs and walks K in ``BLOCK_K`` steps, accumulating ``w * x`` elementwise in fp32;
 one reduction per output at the end, then the bias, then one rounding to the output dtype.
 
-Two options fold the decoder layer's neighbouring pointwise work into the GEMV, each one launch fewer per layer:
+Three options fold the decoder layer's neighbouring work into the GEMV, each one launch fewer per use:
 
 - ``residual``: adds a residual to the rounded output and rounds again, HF's ``residual + o_proj(x)`` (and
   ``+ down_proj(...)``);
 - ``up``: the input row is ``silu(x) * up`` with ``silu_and_mul``'s roundings (``layer_kernels.py``), computed per
-  K step from the gate and up rows: the down projection of a SwiGLU MLP, without its input written and read back.
+  K step from the gate and up rows: the down projection of a SwiGLU MLP, without its input written and read back;
+- ``norm_weight``: the input row is ``rms_norm(x, norm_weight, eps)`` with the norm's roundings: every program sums
+  the row's squares itself (the row is K values, a few KB read from L2), then normalizes each K step as it reads
+  it. The q/k/v and gate/up projections take their layer's RMSNorm this way. The sum runs in K-step chunks, not in
+  the norm kernel's order, so an input value may round the other way than ``rms_norm``'s.
 """
 
 from __future__ import annotations
@@ -27,15 +31,29 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
-from flashcore.kernels.triton.layer_kernels import silu_and_mul
+from flashcore.kernels.triton.layer_kernels import rms_normalize, silu_and_mul
 
 
 @triton.jit
-def _gemv_input(x_ptr, up_ptr, cols, mask_k, SWIGLU: tl.constexpr):
-    """The input row at ``cols``, in fp32: ``x``, or ``silu(x) * up`` rounded as ``silu_and_mul`` rounds."""
+def _inverse_rms(x_ptr, k, eps, BLOCK_K: tl.constexpr):
+    """``rsqrt(mean(x^2) + eps)`` of the ``[K]`` row, in fp32."""
+    offs_k = tl.arange(0, BLOCK_K)
+    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for start in range(0, k, BLOCK_K):
+        x = tl.load(x_ptr + start + offs_k, mask=start + offs_k < k, other=0.0).to(tl.float32)
+        squares += x * x
+    return tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
+
+
+@triton.jit
+def _gemv_input(x_ptr, up_ptr, norm_weight_ptr, inv_rms, cols, mask_k, SWIGLU: tl.constexpr, NORM: tl.constexpr):
+    """The input row at ``cols``, in fp32: ``x``, ``silu(x) * up`` rounded as ``silu_and_mul`` rounds, or ``x``
+    normalized as ``rms_norm`` does with ``inv_rms``."""
     x = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
     if SWIGLU:
         x = silu_and_mul(x, tl.load(up_ptr + cols, mask=mask_k, other=0.0))
+    if NORM:
+        x = rms_normalize(x, inv_rms, tl.load(norm_weight_ptr + cols, mask=mask_k, other=0.0))
     return x.to(tl.float32)
 
 
@@ -43,6 +61,7 @@ def _gemv_input(x_ptr, up_ptr, cols, mask_k, SWIGLU: tl.constexpr):
 def _gemv_kernel(
     x_ptr,  # [K]; the gate row when SWIGLU
     up_ptr,  # [K]; read only when SWIGLU
+    norm_weight_ptr,  # [K]; read only when NORM
     weight_ptr,  # [N, K], unit stride along K
     bias_ptr,  # [N]; read only when HAS_BIAS
     residual_ptr,  # [N]; read only when HAS_RESIDUAL
@@ -50,9 +69,11 @@ def _gemv_kernel(
     n,
     k,
     stride_weight_n,
+    eps,  # the norm's; used only when NORM
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWIGLU: tl.constexpr,
+    NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -68,14 +89,19 @@ def _gemv_kernel(
     if USE_PDL:
         gdc_wait()  # x comes from the kernel before
         gdc_launch_dependents()
-    acc = w.to(tl.float32) * _gemv_input(x_ptr, up_ptr, offs_k, mask_k, SWIGLU)[None, :]
+    inv_rms = 1.0
+    if NORM:
+        inv_rms = _inverse_rms(x_ptr, k, eps, BLOCK_K)
+    x = _gemv_input(x_ptr, up_ptr, norm_weight_ptr, inv_rms, offs_k, mask_k, SWIGLU, NORM)
+    acc = w.to(tl.float32) * x[None, :]
 
     # stage 2: the rest of K
     for start in range(BLOCK_K, k, BLOCK_K):
         cols = start + offs_k
         mask_k = cols < k
         w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc += w.to(tl.float32) * _gemv_input(x_ptr, up_ptr, cols, mask_k, SWIGLU)[None, :]
+        x = _gemv_input(x_ptr, up_ptr, norm_weight_ptr, inv_rms, cols, mask_k, SWIGLU, NORM)
+        acc += w.to(tl.float32) * x[None, :]
 
     # epilogue
     out = tl.sum(acc, axis=1)
@@ -110,11 +136,14 @@ def gemv_triton(
     config: dict | None = None,
     *,
     up: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` ``[K]`` contiguous, ``weight`` ``[N, K]`` with unit stride along K, ``bias`` ``[N]`` or None; returns a
-    new ``[N]``. With ``up`` (``[K]`` contiguous) the input is ``silu(x) * up``; with ``residual`` (``[N]``
-    contiguous) it is added to the output. ``config`` overrides :func:`gemv_config` (probes sweep it)."""
+    new ``[N]``. With ``up`` (``[K]`` contiguous) the input is ``silu(x) * up``; with ``norm_weight`` (``[K]``) it is
+    ``rms_norm(x, norm_weight, eps)``; with ``residual`` (``[N]`` contiguous) that is added to the output.
+    ``config`` overrides :func:`gemv_config` (probes sweep it)."""
     n, k = weight.shape
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     config = config or gemv_config(n, k)
@@ -123,12 +152,14 @@ def gemv_triton(
     _launch_gemv(
         (triton.cdiv(n, config["block_n"]), 1, 1),
         (
-            x, up if up is not None else unused, weight, bias if bias is not None else unused,
-            residual if residual is not None else unused, out, n, k, weight.stride(0),
+            x, up if up is not None else unused, norm_weight if norm_weight is not None else unused, weight,
+            bias if bias is not None else unused, residual if residual is not None else unused, out, n, k,
+            weight.stride(0), float(eps),
         ),
         dict(
-            BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], SWIGLU=up is not None, HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
+            BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], SWIGLU=up is not None,
+            NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
+            USE_PDL=use_pdl,
         ),
         num_warps=config["num_warps"],
         num_stages=1,

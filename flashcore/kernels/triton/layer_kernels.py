@@ -44,12 +44,19 @@ def _rms_norm_kernel(
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-    x = tl.load(x_ptr + row * stride_x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    variance = tl.sum(x * x, axis=0) / hidden
-    normalized = (x * tl.rsqrt(variance + eps)).to(out_ptr.dtype.element_ty)
+    x = tl.load(x_ptr + row * stride_x_row + offs, mask=mask, other=0.0)
+    squares = x.to(tl.float32) * x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / hidden + eps)
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    out = weight.to(tl.float32) * normalized.to(tl.float32)
-    tl.store(out_ptr + row * hidden + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * hidden + offs, rms_normalize(x, inv_rms, weight), mask=mask)
+
+
+@triton.jit
+def rms_normalize(x, inv_rms, weight):
+    """``weight * (x * inv_rms).to(dtype)`` rounded to the dtype, ``LlamaRMSNorm``'s two roundings, for a block of
+    the row ``x`` and of the norm's weight (same dtype); the GEMV that folds the norm in (``gemv.py``) uses it too."""
+    normalized = (x.to(tl.float32) * inv_rms).to(x.dtype)
+    return (weight.to(tl.float32) * normalized.to(tl.float32)).to(x.dtype)
 
 
 @triton.jit
