@@ -22,8 +22,6 @@ and ``DecodeSession(compile=True)`` sets it itself.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from transformers import CompileConfig
 
@@ -62,7 +60,7 @@ def enable(model: torch.nn.Module) -> None:
     if generation_config is not None and generation_config.compile_config is None:
         generation_config.compile_config = rounding_compile_config()  # its own: generate may edit it
     for norm in _norms(model):
-        norm.forward = types.MethodType(_rms_norm_forward, norm)
+        norm.forward = KernelNormForward(norm)
     for layer in model.base_model.layers:
         for module in (layer, layer.self_attn, layer.mlp):
             module._uses_layer_kernels = True
@@ -83,17 +81,24 @@ def disable(model: torch.nn.Module) -> None:
 def runs_kernel_norm(norm: torch.nn.Module) -> bool:
     """Whether ``norm``'s forward is exactly :func:`flashcore.layer_ops.rms_norm` with its weight and epsilon (set by
     :func:`enable`, no hooks), so a GEMV may compute it instead (``layer_ops.gemv(..., norm_weight=...)``)."""
-    forward = norm.__dict__.get("forward")
-    return getattr(forward, "__func__", None) is _rms_norm_forward and not (
+    return isinstance(norm.__dict__.get("forward"), KernelNormForward) and not (
         norm._forward_hooks or norm._forward_pre_hooks
     )
+
+
+class KernelNormForward:
+    """An RMSNorm's forward on :func:`flashcore.layer_ops.rms_norm`, set per instance by :func:`enable`. A class of
+    its own, so that :func:`runs_kernel_norm` can tell it apart with an ``isinstance``, which ``torch.compile``
+    traces as it runs."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        self.norm = norm
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return layer_ops.rms_norm(hidden_states, self.norm.weight, self.norm.variance_epsilon)
 
 
 def _norms(model: torch.nn.Module) -> list[torch.nn.Module]:
     decoder = model.base_model
     layers = [norm for layer in decoder.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)]
     return [*layers, decoder.norm]
-
-
-def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-    return layer_ops.rms_norm(hidden_states, self.weight, self.variance_epsilon)

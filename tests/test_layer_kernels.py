@@ -156,7 +156,7 @@ def test_gemv_folds_the_residual_add_and_the_swiglu(n, k, with_bias, dtype, devi
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n, k", [(37, 100), (300, 2500)])
+@pytest.mark.parametrize("n, k", [(37, 100), (300, 2500), (5, 4500)])  # 4500: the norm's sum over two K steps
 def test_gemv_folds_the_rms_norm(n, k, dtype, device, generator):
     """``gemv(x, W, norm_weight=w, eps=e)`` against fp64 ``W @ rms_norm(x, w, e)``, the norm's output taken from
     :func:`layer_ops.rms_norm` (itself checked against ``LlamaRMSNorm`` above). The GEMV sums the squares in another

@@ -35,21 +35,20 @@ from flashcore.kernels.triton.layer_kernels import rms_normalize, silu_and_mul
 
 
 @triton.jit
-def _inverse_rms(x_ptr, k, eps, BLOCK_K: tl.constexpr):
-    """``rsqrt(mean(x^2) + eps)`` of the ``[K]`` row, in fp32."""
+def _inverse_rms(first, x_ptr, k, eps, BLOCK_K: tl.constexpr):
+    """``rsqrt(mean(x^2) + eps)`` of the ``[K]`` row in fp32, given its first ``BLOCK_K`` values (in registers)."""
+    squares = first.to(tl.float32) * first.to(tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    squares = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for start in range(0, k, BLOCK_K):
+    for start in range(BLOCK_K, k, BLOCK_K):
         x = tl.load(x_ptr + start + offs_k, mask=start + offs_k < k, other=0.0).to(tl.float32)
         squares += x * x
     return tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
 
 
 @triton.jit
-def _gemv_input(x_ptr, up_ptr, norm_weight_ptr, inv_rms, cols, mask_k, SWIGLU: tl.constexpr, NORM: tl.constexpr):
-    """The input row at ``cols``, in fp32: ``x``, ``silu(x) * up`` rounded as ``silu_and_mul`` rounds, or ``x``
-    normalized as ``rms_norm`` does with ``inv_rms``."""
-    x = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
+def _gemv_input(x, up_ptr, norm_weight_ptr, inv_rms, cols, mask_k, SWIGLU: tl.constexpr, NORM: tl.constexpr):
+    """The input row at ``cols``, in fp32, from ``x`` loaded there: ``x``, ``silu(x) * up`` rounded as
+    ``silu_and_mul`` rounds, or ``x`` normalized as ``rms_norm`` does with ``inv_rms``."""
     if SWIGLU:
         x = silu_and_mul(x, tl.load(up_ptr + cols, mask=mask_k, other=0.0))
     if NORM:
@@ -89,19 +88,19 @@ def _gemv_kernel(
     if USE_PDL:
         gdc_wait()  # x comes from the kernel before
         gdc_launch_dependents()
+    x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
     inv_rms = 1.0
     if NORM:
-        inv_rms = _inverse_rms(x_ptr, k, eps, BLOCK_K)
-    x = _gemv_input(x_ptr, up_ptr, norm_weight_ptr, inv_rms, offs_k, mask_k, SWIGLU, NORM)
-    acc = w.to(tl.float32) * x[None, :]
+        inv_rms = _inverse_rms(x, x_ptr, k, eps, BLOCK_K)
+    acc = w.to(tl.float32) * _gemv_input(x, up_ptr, norm_weight_ptr, inv_rms, offs_k, mask_k, SWIGLU, NORM)[None, :]
 
     # stage 2: the rest of K
     for start in range(BLOCK_K, k, BLOCK_K):
         cols = start + offs_k
         mask_k = cols < k
         w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x = _gemv_input(x_ptr, up_ptr, norm_weight_ptr, inv_rms, cols, mask_k, SWIGLU, NORM)
-        acc += w.to(tl.float32) * x[None, :]
+        x = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
+        acc += w.to(tl.float32) * _gemv_input(x, up_ptr, norm_weight_ptr, inv_rms, cols, mask_k, SWIGLU, NORM)[None, :]
 
     # epilogue
     out = tl.sum(acc, axis=1)
@@ -117,14 +116,21 @@ def _gemv_kernel(
 _launch_gemv = CachedLauncher(_gemv_kernel)
 
 
-def gemv_config(n: int, k: int) -> dict:
+def gemv_config(n: int, k: int, whole_row: bool = False) -> dict:
     """``block_n``, ``block_k`` and ``num_warps`` for an ``[n, k]`` weight: 8 outputs per program, K in steps of 1024
     at 4 warps, or of 2048 at 8 warps where K is longer than 2048; 64 fp32 accumulators per thread either way.
 
     From ``benchmarks/probes/gemv_configs_in_chain.py`` (entry 54) on the Llama-3.2-1B shape's projections, each
     GEMV after a norm as in a decode step: the best of the tiles tried (6 at K 2048, 10 at K 8192) on q/k/v, gate/up
     and down, 0.15 µs behind the best on o. With 128 accumulators per thread (8 x 2048 at 4 warps) q/k/v took 1.2 µs
-    longer and the down projection twice as long."""
+    longer and the down projection twice as long.
+
+    ``whole_row`` (the GEMV computes the RMSNorm): one K step covers the whole row up to K 4096, with the warps to
+    keep 64 accumulators per thread, so that the row is read once for both the norm's sum and the products
+    (``benchmarks/probes/session_folded_norm_b1.py``, entry 55)."""
+    if whole_row and k <= 4096:
+        block_k = triton.next_power_of_2(k)
+        return dict(block_n=8, block_k=block_k, num_warps=min(16, max(4, block_k // 256)))
     block_k = min(triton.next_power_of_2(k), 1024 if k <= 2048 else 2048)
     return dict(block_n=8, block_k=block_k, num_warps=4 if k <= 2048 else 8)
 
@@ -146,7 +152,7 @@ def gemv_triton(
     ``config`` overrides :func:`gemv_config` (probes sweep it)."""
     n, k = weight.shape
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    config = config or gemv_config(n, k)
+    config = config or gemv_config(n, k, whole_row=norm_weight is not None)
     use_pdl = uses_programmatic_launch(x.device)
     unused = out  # stands in for the pointers the constexpr switches keep the kernel from reading
     _launch_gemv(

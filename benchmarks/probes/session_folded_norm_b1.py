@@ -1,0 +1,107 @@
+"""Issue 29: what computing each layer's RMSNorms inside the q/k/v and gate/up GEMVs saves in a B=1 replayed step.
+
+With ``layer_kernels=True`` a one-token step runs every projection on flashcore's GEMV
+(``flashcore/kernels/triton/gemv.py``). Since entry 55 the GEMV also takes the layer's two RMSNorms: each program
+sums the squares of the input row itself, then normalizes it as it reads it, and the norm kernel is gone. This probe
+times a ``DecodeSession``'s replayed step (``fuse_projections`` and ``layer_kernels``) on ``bench_generate``'s model
+(the Llama-3.2-1B shape, bf16, a 512-token prompt, ``max_cache_len=2048``) in one process, the variants alternating
+over ``--rounds`` rounds:
+
+- ``norm_kernel``: the norms on their own kernel (the fold switched off by making
+  ``flashcore.integrations.layer_kernels.runs_kernel_norm`` answer False in this process);
+- ``folded_two_steps``: folded, with the GEMV's tiles for K 2048 without the norm (K in two steps of 1024 at 4 warps:
+  the row is read twice, once for the sum of squares and once for the products);
+- ``folded_whole_row``: folded, with one K step of 2048 at 8 warps (the default, ``gemv_config(whole_row=True)``);
+- ``norm_kernel_compiled`` / ``folded_whole_row_compiled``: the first and the last with ``compile=True``.
+
+Per variant: µs per replayed step (median over rounds of the median of 5 timings of 100 replays; the context grows
+by 500 tokens over them), and the first step where its 32 greedy tokens part from ``norm_kernel``'s (the folded norm
+sums its squares in another order, so an input may round the other way; None: all equal).
+
+    python benchmarks/probes/session_folded_norm_b1.py --out benchmarks/probes/results/session_folded_norm_b1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness  # noqa: E402
+from bench_generate import build_config, build_model  # noqa: E402
+
+from flashcore.integrations import layer_kernels  # noqa: E402
+from flashcore.kernels.triton import gemv as gemv_kernels  # noqa: E402
+
+VARIANTS = {  # name: (compile, fold the norm, gemv_config's whole_row for the folded GEMVs)
+    "norm_kernel": (False, False, True),
+    "folded_two_steps": (False, True, False),
+    "folded_whole_row": (False, True, True),
+    "norm_kernel_compiled": (True, False, True),
+    "folded_whole_row_compiled": (True, True, True),
+}
+REPLAYS, TIMINGS, TOKENS = 100, 5, 32
+
+
+def timed_session(model, input_ids, compile: bool, fold: bool, whole_row: bool) -> dict:
+    from flashcore.integrations.decode_session import DecodeSession
+
+    runs_kernel_norm, gemv_config = layer_kernels.runs_kernel_norm, gemv_kernels.gemv_config
+    if not fold:
+        layer_kernels.runs_kernel_norm = lambda norm: False
+    if not whole_row:
+        gemv_kernels.gemv_config = lambda n, k, whole_row=False: gemv_config(n, k)
+    try:
+        options = dict(compile=compile, fuse_projections=True, layer_kernels=True)
+        session = DecodeSession(model, max_cache_len=2048, batch_size=input_ids.shape[0], **options)
+        tokens = [session.prefill(input_ids).clone()]
+        tokens += [session.decode_step().clone() for _ in range(TOKENS - 1)]  # eager warm-up, capture, replays
+        timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, REPLAYS, TIMINGS)]
+    finally:
+        layer_kernels.runs_kernel_norm, gemv_kernels.gemv_config = runs_kernel_norm, gemv_config
+    return {"us_per_step": statistics.median(timings), "tokens": torch.stack(tokens, 1)[0].tolist()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    model = build_model(build_config(is_tiny=False), device)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, model.config.vocab_size, (1, 512), generator=generator).to(device)
+    names = args.variants.split(",")
+    runs = {name: [] for name in names}
+    with torch.inference_mode():
+        for _ in range(args.rounds):  # alternating, so that a drift of the GPU's clock reaches every variant
+            for name in names:
+                runs[name].append(timed_session(model, input_ids, *VARIANTS[name]))
+                print(name, runs[name][-1]["us_per_step"], flush=True)
+    reference = runs.get("norm_kernel", runs[names[0]])[0]["tokens"]
+    result = {"environment": harness.environment(device), "settings": vars(args), "rows": []}
+    for name, samples in runs.items():
+        tokens = samples[0]["tokens"]
+        row = {
+            "variant": name,
+            "us_per_step": statistics.median(sample["us_per_step"] for sample in samples),
+            "samples_us": [sample["us_per_step"] for sample in samples],
+            "tokens_stable_over_rounds": all(sample["tokens"] == tokens for sample in samples),
+            "first_token_differing_from_norm_kernel": next(
+                (i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), None
+            ),
+        }
+        result["rows"].append(row)
+        print(row, flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
