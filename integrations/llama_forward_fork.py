@@ -133,7 +133,10 @@ def mlp_forward(
     if not self.__dict__.get("_uses_layer_kernels"):
         return self.down_proj(self.act_fn(gate) * up)
     if _runs_gemv(self, gate) and _is_plain_linear(self.down_proj):
-        return layer_ops.silu_and_mul_gemv(gate, up, self.down_proj.weight, self.down_proj.bias, residual=residual)
+        down = self.down_proj
+        folded, residual = _split_residual(residual)
+        out = layer_ops.silu_and_mul_gemv(gate, up, down.weight, down.bias, residual=folded)
+        return out if residual is None else residual + out
     return _project_residual(self, layer_ops.silu_and_mul(gate, up), "down_proj", residual)
 
 
@@ -166,9 +169,22 @@ def _project_residual(
     :func:`_project` would run it."""
     linear = getattr(module, name)
     if _runs_gemv(module, x) and _is_plain_linear(linear):
-        return layer_ops.gemv(x, linear.weight, linear.bias, residual=residual)
-    out = linear(x)
+        folded, residual = _split_residual(residual)
+        out = layer_ops.gemv(x, linear.weight, linear.bias, residual=folded)
+    else:
+        out = linear(x)
     return out if residual is None else residual + out
+
+
+def _split_residual(residual: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(for the GEMV, to add after it)``: eagerly the GEMV adds the residual. Under ``torch.compile`` inductor adds
+    it (the same rounding: ``emulate_precision_casts``). With the adds inside the GEMVs a compiled step is one
+    unbroken chain of opaque ops, each reading the residual stream twice, and torch 2.11's inductor then hung in
+    compiling HF's compiled ``generate`` of the 1B model (in the ``__str__`` of its IR nodes, which recurses into
+    their inputs; NOTES.md, entry 55)."""
+    if torch.compiler.is_compiling():
+        return None, residual
+    return residual, None
 
 
 def _runs_gemv(module: torch.nn.Module, x: torch.Tensor) -> bool:
