@@ -9,17 +9,17 @@ Two options of :func:`~flashcore.integrations.llama.apply_flashcore_to_llama` ch
 forwards, and transformers has no extension point there:
 
 - ``layer_kernels=True`` replaces the RoPE, which ``LlamaAttention.forward`` calls as the module-level function
-  ``apply_rotary_pos_emb``. Its only hook, ``use_kernelized_func`` / ``use_kernel_forward_from_hub``, exists only
-  with the optional ``kernels`` package installed and maps names to kernels hosted on the Hub; without it the
-  decorators are no-ops. Reassigning ``modeling_llama.apply_rotary_pos_emb`` would change every model in the
-  process, patched or not. It also replaces the SiLU-and-mul of ``LlamaMLP.forward``
-  (``act_fn(gate_proj(x)) * up_proj(x)``), which is not a module of its own, and, for an input of one token, runs
-  the projections on flashcore's one-row GEMV (:func:`flashcore.layer_ops.gemv`) instead of their modules. That
-  GEMV also takes the decoder layer's RMSNorms and residual adds, and the down projection's GEMV the SiLU-and-mul
-  (:func:`flashcore.layer_ops.silu_and_mul_gemv`): four launches per layer where there were nine. So with the layer
-  kernels the decoder layer's forward hands each sublayer its norm and its residual. The attention and the MLP
-  forwards apply the norm first (or inside the GEMV) and return the residual added (``residual + o_proj(...)``,
-  ``residual + down_proj(...)``), what stock's layer computes around them.
+  ``apply_rotary_pos_emb``. Its only hook, ``use_kernelized_func`` / ``use_kernel_forward_from_hub``, exists only with
+  the optional ``kernels`` package installed and maps names to kernels hosted on the Hub; without it the decorators are
+  no-ops. Reassigning ``modeling_llama.apply_rotary_pos_emb`` would change every model in the process, patched or not.
+  It also replaces the SiLU-and-mul of ``LlamaMLP.forward`` (``act_fn(gate_proj(x)) * up_proj(x)``), which is not a
+  module of its own, and, for an input of one token, runs the projections on flashcore's one-row GEMV
+  (:func:`flashcore.layer_ops.gemv`) instead of their modules. That GEMV also takes the decoder layer's RMSNorms and
+  residual adds, and the down projection's GEMV the SiLU-and-mul (:func:`flashcore.layer_ops.silu_and_mul_gemv`): four
+  launches per layer where there were nine. So with the layer kernels the decoder layer's forward hands each sublayer
+  its norm and its residual. The attention and the MLP forwards apply the norm first (or inside the GEMV) and return the
+  residual added (``residual + o_proj(...)``, ``residual + down_proj(...)``), what stock's layer computes around them.
+  Under ``torch.compile`` the residual adds stay inductor's (:func:`_split_residual` says why).
 - ``fuse_projections=True`` computes q, k and v (and gate and up) with one GEMM, whose output the stock forwards
   cannot take: they call each projection module separately.
 

@@ -132,15 +132,15 @@ def test_a_dropped_session_is_collected_before_the_next_capture(device, generato
     [(False, False), (True, False), (True, True)],
     ids=["separate", "fused_projections", "layer_kernels"],
 )
-def test_compiled_session_matches_stock_greedy(fuse_projections, layer_kernels, device, generator, request):
+@pytest.mark.parametrize("lengths", [[5, 9], [7]], ids=["two_rows", "one_row"])
+def test_compiled_session_matches_stock_greedy(fuse_projections, layer_kernels, lengths, device, generator, request):
     """``compile=True`` traces the decode step once (no graph break, no recompile) and, in fp32, gives stock's
     tokens, with or without the fused q/k/v and gate/up GEMMs and flashcore's layer kernels (opaque ops in the
-    graph). On the GPU the Triton kernels run inside the compiled, captured step; the CPU uses the torch backend
-    for attention (the interpreter inside an inductor graph would only be slow); the layer kernels, which have no
-    torch backend, run interpreted."""
+    graph; at one row the GEMVs with the norms and the SiLU-and-mul folded in). On the GPU the Triton kernels run
+    inside the compiled, captured step; the CPU uses the torch backend for attention (the interpreter inside an
+    inductor graph would only be slow); the layer kernels, which have no torch backend, run interpreted."""
     from torch._dynamo.utils import counters
 
-    lengths = [5, 9]
     model = tiny_llama("gqa", seed_of(request), device)
     input_ids, attention_mask = random_prompts(lengths, generator, device)
     expected = stock_greedy(model, input_ids, attention_mask, NEW_TOKENS)
