@@ -380,6 +380,34 @@ def ms_per_call_repeated(call: Callable[[], object], calls: int, trials: int) ->
     return timings
 
 
+def alternating_step_rounds(names: list[str], rounds: int, run: Callable[[str], dict], reference: str) -> list[dict]:
+    """The session probes' rounds: ``run(name)`` gives ``{"us_per_step", "tokens"}`` for one fresh session of
+    variant ``name``; the variants alternate over ``rounds`` (so that a drift of the GPU's clock reaches each alike).
+    Returns one row per variant: the median µs per step, the samples, whether its tokens were the same every round,
+    and the first step where they part from variant ``reference``'s (None: all equal)."""
+    runs = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            runs[name].append(run(name))
+            print(name, runs[name][-1]["us_per_step"], flush=True)
+    reference_tokens = runs.get(reference, runs[names[0]])[0]["tokens"]
+    rows = []
+    for name, samples in runs.items():
+        tokens = samples[0]["tokens"]
+        row = {
+            "variant": name,
+            "us_per_step": statistics.median(sample["us_per_step"] for sample in samples),
+            "samples_us": [sample["us_per_step"] for sample in samples],
+            "tokens_stable_over_rounds": all(sample["tokens"] == tokens for sample in samples),
+            f"first_token_differing_from_{reference}": next(
+                (i for i, (a, b) in enumerate(zip(tokens, reference_tokens, strict=True)) if a != b), None
+            ),
+        }
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def make_timer(device: torch.device, **kwargs) -> CudaTimer | CpuTimer:
     return CudaTimer(device, **kwargs) if device.type == "cuda" else CpuTimer(device, **kwargs)
 

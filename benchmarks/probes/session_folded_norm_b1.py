@@ -79,27 +79,11 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(3, model.config.vocab_size, (1, 512), generator=generator).to(device)
     names = args.variants.split(",")
-    runs = {name: [] for name in names}
     with torch.inference_mode():
-        for _ in range(args.rounds):  # alternating, so that a drift of the GPU's clock reaches every variant
-            for name in names:
-                runs[name].append(timed_session(model, input_ids, *VARIANTS[name]))
-                print(name, runs[name][-1]["us_per_step"], flush=True)
-    reference = runs.get("norm_kernel", runs[names[0]])[0]["tokens"]
-    result = {"environment": harness.environment(device), "settings": vars(args), "rows": []}
-    for name, samples in runs.items():
-        tokens = samples[0]["tokens"]
-        row = {
-            "variant": name,
-            "us_per_step": statistics.median(sample["us_per_step"] for sample in samples),
-            "samples_us": [sample["us_per_step"] for sample in samples],
-            "tokens_stable_over_rounds": all(sample["tokens"] == tokens for sample in samples),
-            "first_token_differing_from_norm_kernel": next(
-                (i for i, (a, b) in enumerate(zip(tokens, reference, strict=True)) if a != b), None
-            ),
-        }
-        result["rows"].append(row)
-        print(row, flush=True)
+        rows = harness.alternating_step_rounds(
+            names, args.rounds, lambda name: timed_session(model, input_ids, *VARIANTS[name]), reference="norm_kernel"
+        )
+    result = {"environment": harness.environment(device), "settings": vars(args), "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
