@@ -380,6 +380,32 @@ def ms_per_call_repeated(call: Callable[[], object], calls: int, trials: int) ->
     return timings
 
 
+def session_probe_main(doc: str, variants: dict, timed_session: Callable[..., dict], reference: str) -> None:
+    """The main of the B=1 session probes (``probes/session_*_b1.py``): ``--out``, ``--rounds``, ``--variants``;
+    ``bench_generate``'s model (the Llama-3.2-1B shape, bf16) and a random 512-token prompt on the GPU; then
+    ``timed_session(model, input_ids, *variants[name])`` for each variant, alternating over the rounds, and the rows of
+    :func:`alternating_step_rounds` written as JSON."""
+    from bench_generate import build_config, build_model
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--variants", default=",".join(variants))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    model = build_model(build_config(is_tiny=False), device)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, model.config.vocab_size, (1, 512), generator=generator).to(device)
+
+    def run(name: str) -> dict:
+        return timed_session(model, input_ids, *variants[name])
+
+    with torch.inference_mode():
+        rows = alternating_step_rounds(args.variants.split(","), args.rounds, run, reference)
+    result = {"environment": environment(device), "settings": vars(args), "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
 def alternating_step_rounds(names: list[str], rounds: int, run: Callable[[str], dict], reference: str) -> list[dict]:
     """The session probes' rounds: ``run(name)`` gives ``{"us_per_step", "tokens"}`` for one fresh session of
     variant ``name``; the variants alternate over ``rounds`` (so that a drift of the GPU's clock reaches each alike).

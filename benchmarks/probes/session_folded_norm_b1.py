@@ -23,8 +23,6 @@ sums its squares in another order, so an input may round the other way; None: al
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -34,7 +32,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
-from bench_generate import build_config, build_model  # noqa: E402
 
 from flashcore.integrations import layer_kernels  # noqa: E402
 from flashcore.kernels.triton import gemv as gemv_kernels  # noqa: E402
@@ -69,22 +66,7 @@ def timed_session(model, input_ids, compile: bool, fold: bool, whole_row: bool) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    args = parser.parse_args()
-    device = torch.device("cuda")
-    model = build_model(build_config(is_tiny=False), device)
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, model.config.vocab_size, (1, 512), generator=generator).to(device)
-    names = args.variants.split(",")
-    with torch.inference_mode():
-        rows = harness.alternating_step_rounds(
-            names, args.rounds, lambda name: timed_session(model, input_ids, *VARIANTS[name]), reference="norm_kernel"
-        )
-    result = {"environment": harness.environment(device), "settings": vars(args), "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    harness.session_probe_main(__doc__, VARIANTS, timed_session, reference="norm_kernel")
 
 
 if __name__ == "__main__":

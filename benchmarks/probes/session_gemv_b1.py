@@ -22,8 +22,6 @@ in another order than cuBLAS, so a near-tie may go the other way; None: all equa
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -34,7 +32,6 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
-from bench_generate import build_config, build_model  # noqa: E402
 
 from flashcore import layer_ops  # noqa: E402
 
@@ -65,22 +62,7 @@ def timed_session(model, input_ids, options: dict, gemv_on: bool) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    args = parser.parse_args()
-    device = torch.device("cuda")
-    model = build_model(build_config(is_tiny=False), device)
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, model.config.vocab_size, (1, 512), generator=generator).to(device)
-    names = args.variants.split(",")
-    with torch.inference_mode():
-        rows = harness.alternating_step_rounds(
-            names, args.rounds, lambda name: timed_session(model, input_ids, *VARIANTS[name]), reference="kernels_gemv"
-        )
-    result = {"environment": harness.environment(device), "settings": vars(args), "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    harness.session_probe_main(__doc__, VARIANTS, timed_session, reference="kernels_gemv")
 
 
 if __name__ == "__main__":
