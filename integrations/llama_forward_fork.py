@@ -132,12 +132,7 @@ def mlp_forward(
     gate, up = _project(self, x, ("gate_proj", "up_proj"), norm)
     if not self.__dict__.get("_uses_layer_kernels"):
         return self.down_proj(self.act_fn(gate) * up)
-    if _runs_gemv(self, gate) and _is_plain_linear(self.down_proj):
-        down = self.down_proj
-        folded, residual = _split_residual(residual)
-        out = layer_ops.silu_and_mul_gemv(gate, up, down.weight, down.bias, residual=folded)
-        return out if residual is None else residual + out
-    return _project_residual(self, layer_ops.silu_and_mul(gate, up), "down_proj", residual)
+    return _project_residual(self, gate, "down_proj", residual, up=up)
 
 
 def _project(
@@ -163,16 +158,24 @@ def _project(
 
 
 def _project_residual(
-    module: torch.nn.Module, x: torch.Tensor, name: str, residual: torch.Tensor | None
+    module: torch.nn.Module,
+    x: torch.Tensor,
+    name: str,
+    residual: torch.Tensor | None,
+    up: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``residual + module.<name>(x)`` (or the projection alone without a residual), the add inside the GEMV where
-    :func:`_project` would run it."""
+    """``residual + module.<name>(x)`` (the projection alone without a residual); with ``up``, of
+    ``silu_and_mul(x, up)``, the down projection. Where :func:`_project` would run the GEMV, the residual and the
+    SiLU-and-mul run inside it."""
     linear = getattr(module, name)
     if _runs_gemv(module, x) and _is_plain_linear(linear):
         folded, residual = _split_residual(residual)
-        out = layer_ops.gemv(x, linear.weight, linear.bias, residual=folded)
+        if up is None:
+            out = layer_ops.gemv(x, linear.weight, linear.bias, residual=folded)
+        else:
+            out = layer_ops.silu_and_mul_gemv(x, up, linear.weight, linear.bias, residual=folded)
     else:
-        out = linear(x)
+        out = linear(x if up is None else layer_ops.silu_and_mul(x, up))
     return out if residual is None else residual + out
 
 
