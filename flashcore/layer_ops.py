@@ -161,7 +161,8 @@ def gemv(
         if not eps >= 0:
             raise ValueError(f"eps must be >= 0, got {eps!r}")
     if torch.compiler.is_compiling():
-        out = torch.ops.flashcore.gemv(row, weight, bias, residual, norm_weight, float(eps))
+        out = row.new_empty(weight.shape[:1])
+        torch.ops.flashcore.gemv(row, weight, bias, residual, norm_weight, float(eps), out)
     else:
         out = gemv_kernels.gemv_triton(row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual)
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -194,7 +195,8 @@ def silu_and_mul_gemv(
     bias, residual = _check_projection(gate, "gate", weight, bias, residual)
     gate_row, up_row = gate.reshape(-1), up.reshape(-1)
     if torch.compiler.is_compiling():
-        out = torch.ops.flashcore.silu_and_mul_gemv(gate_row, up_row, weight, bias, residual)
+        out = gate_row.new_empty(weight.shape[:1])
+        torch.ops.flashcore.silu_and_mul_gemv(gate_row, up_row, weight, bias, residual, out)
     else:
         out = gemv_kernels.gemv_triton(gate_row, weight, bias, up=up_row, residual=residual)
     return out.view(*gate.shape[:-1], weight.shape[0])
@@ -299,7 +301,12 @@ def _(query, key, cos, sin):
     return rotated_like(query), rotated_like(key)
 
 
-@torch.library.custom_op("flashcore::gemv", mutates_args=())
+# The GEMVs write into an ``out`` their caller allocates, rather than return a new tensor, for inductor: it prints
+# an opaque op's inputs recursively (``__str__``), and a chain of GEMVs that return their outputs, each residual read
+# by two of them, made that string grow about 26-fold per layer, until HF's compiled ``generate`` of a 16-layer model
+# hung in it (NOTES.md, entry 55). An ``out`` allocated in the graph is a buffer of its own, which inductor prints by
+# name: the string stays the same length at any depth (``benchmarks/probes/inductor_ir_str_growth.py``, entry 56).
+@torch.library.custom_op("flashcore::gemv", mutates_args=("out",))
 def _gemv_op(
     row: torch.Tensor,
     weight: torch.Tensor,
@@ -307,24 +314,20 @@ def _gemv_op(
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor | None,
     eps: float,
-) -> torch.Tensor:
+    out: torch.Tensor,
+) -> None:
     with on_device_of(row):
-        return gemv_kernels.gemv_triton(row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual)
+        gemv_kernels.gemv_triton(row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
 
 
-@_gemv_op.register_fake
-def _(row, weight, bias, residual, norm_weight, eps):
-    return row.new_empty(weight.shape[:1])
-
-
-@torch.library.custom_op("flashcore::silu_and_mul_gemv", mutates_args=())
+@torch.library.custom_op("flashcore::silu_and_mul_gemv", mutates_args=("out",))
 def _silu_and_mul_gemv_op(
-    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
-) -> torch.Tensor:
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
     with on_device_of(gate):
-        return gemv_kernels.gemv_triton(gate, weight, bias, up=up, residual=residual)
-
-
-@_silu_and_mul_gemv_op.register_fake
-def _(gate, up, weight, bias, residual):
-    return gate.new_empty(weight.shape[:1])
+        gemv_kernels.gemv_triton(gate, weight, bias, up=up, residual=residual, out=out)

@@ -19,7 +19,6 @@ forwards, and transformers has no extension point there:
   launches per layer where there were nine. So with the layer kernels the decoder layer's forward hands each sublayer
   its norm and its residual. The attention and the MLP forwards apply the norm first (or inside the GEMV) and return the
   residual added (``residual + o_proj(...)``, ``residual + down_proj(...)``), what stock's layer computes around them.
-  Under ``torch.compile`` the residual adds stay inductor's (:func:`_split_residual` says why).
 - ``fuse_projections=True`` computes q, k and v (and gate and up) with one GEMM, whose output the stock forwards
   cannot take: they call each projection module separately.
 
@@ -169,25 +168,11 @@ def _project_residual(
     SiLU-and-mul run inside it."""
     linear = getattr(module, name)
     if _runs_gemv(module, x) and _is_plain_linear(linear):
-        folded, residual = _split_residual(residual)
         if up is None:
-            out = layer_ops.gemv(x, linear.weight, linear.bias, residual=folded)
-        else:
-            out = layer_ops.silu_and_mul_gemv(x, up, linear.weight, linear.bias, residual=folded)
-    else:
-        out = linear(x if up is None else layer_ops.silu_and_mul(x, up))
+            return layer_ops.gemv(x, linear.weight, linear.bias, residual=residual)
+        return layer_ops.silu_and_mul_gemv(x, up, linear.weight, linear.bias, residual=residual)
+    out = linear(x if up is None else layer_ops.silu_and_mul(x, up))
     return out if residual is None else residual + out
-
-
-def _split_residual(residual: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(for the GEMV, to add after it)``: eagerly the GEMV adds the residual. Under ``torch.compile`` inductor adds
-    it (the same rounding: ``emulate_precision_casts``). With the adds inside the GEMVs a compiled step is one
-    unbroken chain of opaque ops, each reading the residual stream twice, and torch 2.11's inductor then hung in
-    compiling HF's compiled ``generate`` of the 1B model (in the ``__str__`` of its IR nodes, which recurses into
-    their inputs; NOTES.md, entry 55)."""
-    if torch.compiler.is_compiling():
-        return None, residual
-    return residual, None
 
 
 def _runs_gemv(module: torch.nn.Module, x: torch.Tensor) -> bool:

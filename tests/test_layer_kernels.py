@@ -178,6 +178,35 @@ def test_gemv_folds_the_rms_norm(n, k, dtype, device, generator):
     assert bool((error <= bound).all()), f"worst excess {float((error - bound).max())}"
 
 
+def test_gemv_ops_write_their_out_and_compile_to_eager_bits(device, generator):
+    """Under ``torch.compile`` the GEMVs run as the custom ops ``flashcore::gemv`` and ``flashcore::silu_and_mul_gemv``,
+    which write into an ``out`` the caller allocates (``mutates_args``: inductor then prints each output by name, not
+    its inputs recursively; NOTES.md, entry 56). opcheck checks that claim, the fake and functionalization; a
+    fullgraph compile of two layers' worth of them, each residual read by two GEMVs as in a decoder layer, gives the
+    eager bits."""
+    k, n = 64, 48
+    x = randn((1, 1, k), generator=generator, dtype=torch.float32, device=device)
+    norm_weight = 1 + randn((k,), generator=generator, dtype=torch.float32, device=device) / 4
+    w_in = randn((2 * n, k), generator=generator, dtype=torch.float32, device=device) / k**0.5
+    w_out = randn((k, n), generator=generator, dtype=torch.float32, device=device) / n**0.5
+    bias = randn((k,), generator=generator, dtype=torch.float32, device=device)
+    row, out = x.reshape(-1), torch.empty(2 * n, device=device)
+    torch.library.opcheck(torch.ops.flashcore.gemv.default, (row, w_in, None, None, norm_weight, 1e-5, out))
+    gate, up = layer_ops.gemv(x, w_in).reshape(-1).split(n)
+    torch.library.opcheck(
+        torch.ops.flashcore.silu_and_mul_gemv.default, (gate, up, w_out, bias, row, torch.empty(k, device=device))
+    )
+
+    def two_layers(hidden):
+        for _ in range(2):
+            gate, up = layer_ops.gemv(hidden, w_in, norm_weight=norm_weight, eps=1e-5).split(n, dim=-1)
+            hidden = layer_ops.silu_and_mul_gemv(gate, up, w_out, bias, residual=hidden)
+        return hidden
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(two_layers, fullgraph=True)(x), two_layers(x))
+
+
 def test_gemv_errors_name_the_argument_and_the_fix(device, generator):
     x = randn((1, 64), generator=generator, dtype=torch.float32, device=device)
     weight = randn((16, 64), generator=generator, dtype=torch.float32, device=device)

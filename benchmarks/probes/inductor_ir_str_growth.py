@@ -1,19 +1,22 @@
-"""Why HF's compiled ``generate`` on the layer kernels hung in inductor (NOTES.md, entry 55), shown on the CPU.
+"""Why HF's compiled ``generate`` on the layer kernels hung in inductor (NOTES.md, entries 55 and 56), shown on the CPU.
 
-With the residual adds inside the GEMVs, a one-row decoder step compiles to an unbroken chain of opaque ops, each
-layer reading the residual stream twice, and inductor's IR nodes print their inputs recursively: the string of the
-last node grows with each layer. On the H100 inductor built such a string in compiling the 1B model (16 layers) and
-did not finish. Under ``torch.compile`` flashcore now leaves the adds to inductor (``_split_residual`` in
-``integrations/llama_forward_fork.py``), whose pointwise nodes print their inputs by name.
+Inductor's IR nodes print their inputs recursively (``__str__``). A one-row decoder step with the residual adds inside
+the GEMVs compiles to a chain of opaque ops in which each residual is read by two of them, so when every op returns a
+new tensor the string of the last node multiplies with each layer; on the H100 inductor built such a string in
+compiling HF's compiled ``generate`` of the 1B model (16 layers) and did not finish. Since entry 56 the GEMV ops write
+into an ``out`` the caller allocates (``mutates_args``), a buffer inductor prints by name.
 
-This probe compiles the layers of a tiny Llama (hidden 32, fused projections, layer kernels; the Triton kernels
-interpreted) for one token, in a subprocess per case, and measures ``str()`` of each of the last three buffers of
-inductor's graph just before its code generation: characters and seconds, or ``timed_out`` past ``--timeout-s``.
-``fold``: the adds inside the GEMVs under compile too (``_split_residual`` replaced in that process); ``inductor``:
-as flashcore runs.
+Two parts, each case in a subprocess, measuring ``str()`` of each of the last three buffers of inductor's graph just
+before its code generation (characters and seconds, or ``timed_out`` past ``--timeout-s``):
+
+- ``flashcore``: the layers of a tiny Llama (hidden 32, fused projections, layer kernels; the Triton kernels
+  interpreted) compiled for one token, as flashcore runs them, at 1 to 16 layers;
+- ``toy_returns`` / ``toy_out``: the same dependency pattern with two trivial custom ops per layer (a "norm" and a
+  "projection plus residual"), the second either returning its output or writing it into an ``out``, at 4, 8 and
+  12 layers: the two op forms alone.
 
     TRITON_INTERPRET=1 python benchmarks/probes/inductor_ir_str_growth.py --out \\
-        benchmarks/probes/results/inductor_ir_str_growth_cpu.json
+        benchmarks/probes/results/inductor_ir_str_growth_cpu_<commit>.json
 """
 
 from __future__ import annotations
@@ -26,21 +29,38 @@ import sys
 import time
 from pathlib import Path
 
-CASES = [("inductor", 1), ("inductor", 2), ("inductor", 4), ("inductor", 8), ("inductor", 16), ("fold", 1), ("fold", 2),
-         ("fold", 3)]  # fmt: skip
+CASES = [("flashcore", 1), ("flashcore", 2), ("flashcore", 4), ("flashcore", 8), ("flashcore", 16),
+         ("toy_returns", 4), ("toy_returns", 8), ("toy_returns", 12), ("toy_out", 4), ("toy_out", 8),
+         ("toy_out", 12)]  # fmt: skip
 
 
 def one_case(mode: str, layers: int) -> None:
     """In a subprocess: compile, print one JSON line per measured buffer."""
     import torch
     import torch._inductor.graph as inductor_graph
+
+    codegen = inductor_graph.GraphLowering.codegen
+
+    def measuring_codegen(self, *args, **kwargs):
+        for buffer in self.buffers[-3:]:
+            started = time.perf_counter()
+            chars = len(str(buffer))
+            seconds = time.perf_counter() - started
+            print(json.dumps({"buffer": buffer.get_name(), "chars": chars, "seconds": round(seconds, 3)}), flush=True)
+        return codegen(self, *args, **kwargs)
+
+    inductor_graph.GraphLowering.codegen = measuring_codegen
+    fn, example = _flashcore_layers(layers) if mode == "flashcore" else _toy_layers(layers, mode == "toy_out")
+    with torch.inference_mode():
+        torch.compile(fn, fullgraph=True, dynamic=False)(example)
+
+
+def _flashcore_layers(layers: int):
+    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from flashcore.integrations import llama_forward_fork
     from flashcore.integrations.llama import apply_flashcore_to_llama
 
-    if mode == "fold":
-        llama_forward_fork._split_residual = lambda residual: (residual, None)
     config = LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8,
@@ -56,19 +76,40 @@ def one_case(mode: str, layers: int) -> None:
             hidden = layer(hidden, position_embeddings=embeddings, attention_mask=None, position_ids=position)
         return hidden
 
-    codegen = inductor_graph.GraphLowering.codegen
+    return layers_of_one_token, torch.randn(1, 1, config.hidden_size)
 
-    def measuring_codegen(self, *args, **kwargs):
-        for buffer in self.buffers[-3:]:
-            started = time.perf_counter()
-            chars = len(str(buffer))
-            seconds = time.perf_counter() - started
-            print(json.dumps({"buffer": buffer.get_name(), "chars": chars, "seconds": round(seconds, 3)}), flush=True)
-        return codegen(self, *args, **kwargs)
 
-    inductor_graph.GraphLowering.codegen = measuring_codegen
-    with torch.inference_mode():
-        torch.compile(layers_of_one_token, fullgraph=True, dynamic=False)(torch.randn(1, 1, config.hidden_size))
+def _toy_layers(layers: int, writes_out: bool):
+    import torch
+
+    @torch.library.custom_op("probe::norm", mutates_args=())
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5
+
+    norm.register_fake(lambda x: torch.empty_like(x))
+
+    @torch.library.custom_op("probe::project_add", mutates_args=())
+    def project_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + 2 * x
+
+    project_add.register_fake(lambda x, residual: torch.empty_like(residual))
+
+    @torch.library.custom_op("probe::project_add_out", mutates_args=("out",))
+    def project_add_out(x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(residual + 2 * x)
+
+    def toy(hidden):
+        for _ in range(layers):
+            normed = norm(hidden)  # the residual stream is read here and by the add
+            if writes_out:
+                out = torch.empty_like(hidden)
+                project_add_out(normed, hidden, out)
+                hidden = out
+            else:
+                hidden = project_add(normed, hidden)
+        return hidden
+
+    return toy, torch.randn(8)
 
 
 def main() -> None:
@@ -88,20 +129,23 @@ def main() -> None:
         try:
             # Inductor's caches off: a cached graph skips the code generation this probe measures before.
             env = {**os.environ, "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+            started = time.perf_counter()
             done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s, env=env)
             row["buffers"] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
             row["returncode"] = done.returncode
+            row["compile_s"] = round(time.perf_counter() - started, 1)
         except subprocess.TimeoutExpired:
             row["timed_out"] = args.timeout_s
         rows.append(row)
         print(row, flush=True)
-        Path(args.out).write_text(json.dumps({"torch": _torch_version(), "rows": rows}, indent=1) + "\n")
+        environment = {"torch": _version("torch"), "commit": os.environ.get("FLASHCORE_GIT_COMMIT", "")}
+        Path(args.out).write_text(json.dumps({**environment, "rows": rows}, indent=1) + "\n")
 
 
-def _torch_version() -> str:
-    import torch
+def _version(module: str) -> str:
+    import importlib
 
-    return torch.__version__
+    return importlib.import_module(module).__version__
 
 
 if __name__ == "__main__":

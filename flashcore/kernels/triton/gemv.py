@@ -146,13 +146,15 @@ def gemv_triton(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x`` ``[K]`` contiguous, ``weight`` ``[N, K]`` with unit stride along K, ``bias`` ``[N]`` or None; returns a
-    new ``[N]``. With ``up`` (``[K]`` contiguous) the input is ``silu(x) * up``; with ``norm_weight`` (``[K]``) it is
-    ``rms_norm(x, norm_weight, eps)``; with ``residual`` (``[N]`` contiguous) that is added to the output.
-    ``config`` overrides :func:`gemv_config` (probes sweep it)."""
+    """``x`` ``[K]`` contiguous, ``weight`` ``[N, K]`` with unit stride along K, ``bias`` ``[N]`` or None; returns
+    ``out`` (``[N]`` contiguous of ``x``'s dtype; a new one if None). With ``up`` (``[K]`` contiguous) the input is
+    ``silu(x) * up``; with ``norm_weight`` (``[K]``) it is ``rms_norm(x, norm_weight, eps)``; with ``residual``
+    (``[N]`` contiguous) that is added to the output. ``config`` overrides :func:`gemv_config` (probes sweep it)."""
     n, k = weight.shape
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(n, dtype=x.dtype, device=x.device)
     config = config or gemv_config(n, k, whole_row=norm_weight is not None)
     use_pdl = uses_programmatic_launch(x.device)
     unused = out  # stands in for the pointers the constexpr switches keep the kernel from reading
