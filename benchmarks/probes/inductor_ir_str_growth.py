@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch  # at module scope: the toy ops' annotations name it
+
 CASES = [("flashcore", 1), ("flashcore", 2), ("flashcore", 4), ("flashcore", 8), ("flashcore", 16),
          ("toy_returns", 4), ("toy_returns", 8), ("toy_returns", 12), ("toy_out", 4), ("toy_out", 8),
          ("toy_out", 12)]  # fmt: skip
@@ -36,7 +38,6 @@ CASES = [("flashcore", 1), ("flashcore", 2), ("flashcore", 4), ("flashcore", 8),
 
 def one_case(mode: str, layers: int) -> None:
     """In a subprocess: compile, print one JSON line per measured buffer."""
-    import torch
     import torch._inductor.graph as inductor_graph
 
     codegen = inductor_graph.GraphLowering.codegen
@@ -56,7 +57,6 @@ def one_case(mode: str, layers: int) -> None:
 
 
 def _flashcore_layers(layers: int):
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from flashcore.integrations.llama import apply_flashcore_to_llama
@@ -80,8 +80,6 @@ def _flashcore_layers(layers: int):
 
 
 def _toy_layers(layers: int, writes_out: bool):
-    import torch
-
     @torch.library.custom_op("probe::norm", mutates_args=())
     def norm(x: torch.Tensor) -> torch.Tensor:
         return x * 0.5
@@ -133,19 +131,15 @@ def main() -> None:
             done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout_s, env=env)
             row["buffers"] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
             row["returncode"] = done.returncode
+            if done.returncode:
+                row["stderr_tail"] = done.stderr[-600:]
             row["compile_s"] = round(time.perf_counter() - started, 1)
         except subprocess.TimeoutExpired:
             row["timed_out"] = args.timeout_s
         rows.append(row)
         print(row, flush=True)
-        environment = {"torch": _version("torch"), "commit": os.environ.get("FLASHCORE_GIT_COMMIT", "")}
+        environment = {"torch": torch.__version__, "commit": os.environ.get("FLASHCORE_GIT_COMMIT", "")}
         Path(args.out).write_text(json.dumps({**environment, "rows": rows}, indent=1) + "\n")
-
-
-def _version(module: str) -> str:
-    import importlib
-
-    return importlib.import_module(module).__version__
 
 
 if __name__ == "__main__":
