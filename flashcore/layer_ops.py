@@ -1,6 +1,6 @@
 """The decoder layer's ops around attention, on flashcore's Triton kernels: RMSNorm, rotary embedding, SiLU-and-mul,
-and the one-row GEMV of a batch-1 decode step's projections (with the RMSNorm before them, the residual add after
-them, and for the down projection the SiLU-and-mul folded in).
+and the one-row GEMV of a batch-1 decode step's projections (with the RMSNorm before them, the rotary embedding or
+the residual add after them, and for the down projection the SiLU-and-mul folded in).
 
 Why flashcore has its own: a model step runs eagerly, replayed from a CUDA graph, or compiled. Eager and replayed
 PyTorch ops give the same bits, but inductor fuses HF's RMSNorm, RoPE and SwiGLU code without eager's intermediate
@@ -24,7 +24,7 @@ from flashcore.backends import SUPPORTED_DTYPES, on_device_of, triton_interprete
 from flashcore.kernels.triton import gemv as gemv_kernels
 from flashcore.kernels.triton import layer_kernels
 
-__all__ = ["apply_rotary_embedding", "gemv", "rms_norm", "silu_and_mul", "silu_and_mul_gemv"]
+__all__ = ["apply_rotary_embedding", "gemv", "gemv_can_rotate", "rms_norm", "silu_and_mul", "silu_and_mul_gemv"]
 
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -130,6 +130,9 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    rotated: int | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a single row of ``x``: a decode step's projection at batch 1.
 
@@ -144,10 +147,17 @@ def gemv(
         eps: the norm's, >= 0; used only with ``norm_weight``.
         residual: ``[..., N]`` of the output's shape, contiguous, or None. Added to the rounded projection and
             rounded again: HF's ``residual + o_proj(x)``.
+        cos: ``[..., D]`` holding one row (the rotary embedding of this token's position, as the model's rotary
+            embedding returns it), or None. With it the outputs ``[0, rotated)``, heads of D, get the rotary
+            embedding with :func:`apply_rotary_embedding`'s roundings, to its bits: HF's q/k/v projection, then
+            ``apply_rotary_pos_emb``, where ``rotated`` covers q and k. D must be a multiple of 8
+            (:func:`gemv_can_rotate`).
+        sin: like ``cos``; both or neither.
+        rotated: a multiple of D in ``(0, N]``; None: N. Used only with ``cos``.
 
     Returns:
         A new contiguous ``[..., N]`` tensor of ``x``'s dtype: the products summed in fp32, plus the bias, rounded
-        once (then plus the residual, rounded).
+        once (then rotated, each product rounded; then plus the residual, rounded).
     """
     _check_runs(x, "x")
     _check_one_row(x, "x")
@@ -160,12 +170,21 @@ def gemv(
         _check_like(x, "x", norm_weight=norm_weight)
         if not eps >= 0:
             raise ValueError(f"eps must be >= 0, got {eps!r}")
+    cos, sin, rotated = _check_rotary(x, weight.shape[0], cos, sin, rotated)
     if torch.compiler.is_compiling():
         out = row.new_empty(weight.shape[:1])
-        torch.ops.flashcore.gemv(row, weight, bias, residual, norm_weight, float(eps), out)
+        torch.ops.flashcore.gemv(row, weight, bias, residual, norm_weight, float(eps), cos, sin, rotated, out)
     else:
-        out = gemv_kernels.gemv_triton(row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual)
+        out = gemv_kernels.gemv_triton(
+            row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, cos=cos, sin=sin, rotated=rotated
+        )
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def gemv_can_rotate(head_dim: int) -> bool:
+    """Whether :func:`gemv` can apply the rotary embedding to heads of ``head_dim``: a multiple of its 8 outputs per
+    program, so that a program holds both halves' rows of the pairs it owns."""
+    return head_dim % gemv_kernels.BLOCK_N == 0
 
 
 def silu_and_mul_gemv(
@@ -200,6 +219,34 @@ def silu_and_mul_gemv(
     else:
         out = gemv_kernels.gemv_triton(gate_row, weight, bias, up=up_row, residual=residual)
     return out.view(*gate.shape[:-1], weight.shape[0])
+
+
+def _check_rotary(
+    x: torch.Tensor, n: int, cos: torch.Tensor | None, sin: torch.Tensor | None, rotated: int | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """Checks the GEMV's rotary embedding; returns ``cos`` and ``sin`` as ``[D]`` rows and ``rotated`` as an int
+    (0 without them)."""
+    if cos is None and sin is None:
+        return None, None, 0
+    if cos is None or sin is None:
+        raise ValueError("pass both cos and sin for the rotary embedding, or neither")
+    for name, tensor in (("cos", cos), ("sin", sin)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.numel() != tensor.shape[-1]:
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name} must be [..., D] holding one row (one token's position), got {shape}")
+    head_dim = cos.shape[-1]
+    if sin.shape[-1] != head_dim:
+        raise ValueError(f"sin must have cos's D = {head_dim}, got shape {tuple(sin.shape)}")
+    if not gemv_can_rotate(head_dim):
+        raise ValueError(
+            f"the GEMV rotates heads whose D is a multiple of {gemv_kernels.BLOCK_N}, got D = {head_dim}; "
+            f"apply_rotary_embedding takes any even D"
+        )
+    rotated = n if rotated is None else rotated
+    if not (isinstance(rotated, int) and 0 < rotated <= n and rotated % head_dim == 0):
+        raise ValueError(f"rotated must be a multiple of D = {head_dim} in (0, N = {n}] or None, got {rotated!r}")
+    _check_like(x, "x", cos=cos, sin=sin)
+    return cos.reshape(-1), sin.reshape(-1), rotated
 
 
 def _check_one_row(x: torch.Tensor, name: str) -> None:
@@ -314,10 +361,16 @@ def _gemv_op(
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor | None,
     eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    rotated: int,
     out: torch.Tensor,
 ) -> None:
     with on_device_of(row):
-        gemv_kernels.gemv_triton(row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, out=out)
+        gemv_kernels.gemv_triton(
+            row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, cos=cos, sin=sin,
+            rotated=rotated, out=out,
+        )  # fmt: skip
 
 
 @torch.library.custom_op("flashcore::silu_and_mul_gemv", mutates_args=("out",))

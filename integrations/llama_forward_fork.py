@@ -14,11 +14,12 @@ forwards, and transformers has no extension point there:
   no-ops. Reassigning ``modeling_llama.apply_rotary_pos_emb`` would change every model in the process, patched or not.
   It also replaces the SiLU-and-mul of ``LlamaMLP.forward`` (``act_fn(gate_proj(x)) * up_proj(x)``), which is not a
   module of its own, and, for an input of one token, runs the projections on flashcore's one-row GEMV
-  (:func:`flashcore.layer_ops.gemv`) instead of their modules. That GEMV also takes the decoder layer's RMSNorms and
-  residual adds, and the down projection's GEMV the SiLU-and-mul (:func:`flashcore.layer_ops.silu_and_mul_gemv`): four
-  launches per layer where there were nine. So with the layer kernels the decoder layer's forward hands each sublayer
-  its norm and its residual. The attention and the MLP forwards apply the norm first (or inside the GEMV) and return the
-  residual added (``residual + o_proj(...)``, ``residual + down_proj(...)``), what stock's layer computes around them.
+  (:func:`flashcore.layer_ops.gemv`) instead of their modules. That GEMV also takes the decoder layer's RMSNorms,
+  the RoPE and the residual adds, and the down projection's GEMV the SiLU-and-mul
+  (:func:`flashcore.layer_ops.silu_and_mul_gemv`): four launches per layer where there were ten. So with the layer
+  kernels the decoder layer's forward hands each sublayer its norm and its residual. The attention and the MLP
+  forwards apply the norm first (or inside the GEMV) and return the residual added (``residual + o_proj(...)``,
+  ``residual + down_proj(...)``), what stock's layer computes around them.
 - ``fuse_projections=True`` computes q, k and v (and gate and up) with one GEMM, whose output the stock forwards
   cannot take: they call each projection module separately.
 
@@ -91,14 +92,14 @@ def attention_forward(
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
 
-    projected = _project(self, hidden_states, ("q_proj", "k_proj", "v_proj"), norm)
+    cos, sin = position_embeddings
+    rotary = (cos, sin) if layer_ops.gemv_can_rotate(self.head_dim) else None
+    projected, rotated = _project(self, hidden_states, ("q_proj", "k_proj", "v_proj"), norm, rotary=rotary)
     query_states, key_states, value_states = (states.view(hidden_shape).transpose(1, 2) for states in projected)
 
-    cos, sin = position_embeddings
-    if self.__dict__.get("_uses_layer_kernels"):
-        query_states, key_states = layer_ops.apply_rotary_embedding(query_states, key_states, cos, sin)
-    else:
-        query_states, key_states = apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    if not rotated:
+        rope = layer_ops.apply_rotary_embedding if self.__dict__.get("_uses_layer_kernels") else apply_rotary_pos_emb
+        query_states, key_states = rope(query_states, key_states, cos, sin)
 
     if cache is not None:
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
@@ -128,32 +129,47 @@ def mlp_forward(
 ) -> torch.Tensor:
     """``LlamaMLP.forward``; with ``norm`` and ``residual`` (from :func:`decoder_layer_forward`) it returns
     ``residual + mlp(norm(x))``."""
-    gate, up = _project(self, x, ("gate_proj", "up_proj"), norm)
+    (gate, up), _ = _project(self, x, ("gate_proj", "up_proj"), norm)
     if not self.__dict__.get("_uses_layer_kernels"):
         return self.down_proj(self.act_fn(gate) * up)
     return _project_residual(self, gate, "down_proj", residual, up=up)
 
 
 def _project(
-    module: torch.nn.Module, x: torch.Tensor, names: tuple[str, ...], norm: torch.nn.Module | None = None
-) -> tuple[torch.Tensor, ...]:
-    """The projections ``names`` of ``module`` applied to ``x``, or to ``norm(x)`` where a norm is given.
+    module: torch.nn.Module,
+    x: torch.Tensor,
+    names: tuple[str, ...],
+    norm: torch.nn.Module | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """``(outputs, rotated)``: the projections ``names`` of ``module`` applied to ``x``, or to ``norm(x)`` where a
+    norm is given; ``rotated`` says whether the first two (q and k) also got the rotary embedding ``rotary``
+    (``(cos, sin)``, or None).
 
     Through the fused GEMM where the module has one (``names`` are then the ones it fused). On flashcore's one-row
     GEMV where :func:`_runs_gemv` and every projection is the fused one or a plain ``nn.Linear``: no hooks (tensor
     parallelism's are hooks) and no forward replaced by anything but ``onednn_linears``; the GEMV then computes the
-    norm too where that runs flashcore's (``runs_kernel_norm``). Otherwise each module, as the stock forward calls
-    it."""
+    norm too where that runs flashcore's (``runs_kernel_norm``), and the rotary embedding where one is given.
+    Otherwise each module, as the stock forward calls it."""
     fused = module.__dict__.get("_fused_projection") if len(names) > 1 else None
     linears = [fused] if fused is not None else [getattr(module, name) for name in names]
     one_row = _runs_gemv(module, x) and (fused is not None or all(map(_is_plain_linear, linears)))
     if norm is not None and not (one_row and layer_kernels.runs_kernel_norm(norm)):
         x, norm = norm(x), None
     if not one_row:
-        return fused(x) if fused is not None else tuple(linear(x) for linear in linears)
+        return (fused(x) if fused is not None else tuple(linear(x) for linear in linears)), False
     folded = {} if norm is None else dict(norm_weight=norm.weight, eps=norm.variance_epsilon)
-    outputs = tuple(layer_ops.gemv(x, linear.weight, linear.bias, **folded) for linear in linears)
-    return outputs[0].split(fused.out_features, dim=-1) if fused is not None else outputs
+    rotation = {} if rotary is None else dict(cos=rotary[0], sin=rotary[1])
+    if fused is not None:
+        if rotary is not None:
+            rotation["rotated"] = sum(fused.out_features[:2])  # the q and k rows of q/k/v
+        out = layer_ops.gemv(x, fused.weight, fused.bias, **folded, **rotation)
+        return out.split(fused.out_features, dim=-1), rotary is not None
+    outputs = tuple(
+        layer_ops.gemv(x, linear.weight, linear.bias, **folded, **(rotation if i < 2 else {}))
+        for i, linear in enumerate(linears)
+    )
+    return outputs, rotary is not None
 
 
 def _project_residual(

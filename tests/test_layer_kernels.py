@@ -191,7 +191,9 @@ def test_gemv_ops_write_their_out_and_compile_to_eager_bits(device, generator):
     w_out = randn((k, n), generator=generator, dtype=torch.float32, device=device) / n**0.5
     bias = randn((k,), generator=generator, dtype=torch.float32, device=device)
     row, out = x.reshape(-1), torch.empty(2 * n, device=device)
-    torch.library.opcheck(torch.ops.flashcore.gemv.default, (row, w_in, None, None, norm_weight, 1e-5, out))
+    cos, sin = randn((2, 16), generator=generator, dtype=torch.float32, device=device)
+    gemv_args = (row, w_in, None, None, norm_weight, 1e-5, cos, sin, n, out)
+    torch.library.opcheck(torch.ops.flashcore.gemv.default, gemv_args)
     gate, up = layer_ops.gemv(x, w_in).reshape(-1).split(n)
     torch.library.opcheck(
         torch.ops.flashcore.silu_and_mul_gemv.default, (gate, up, w_out, bias, row, torch.empty(k, device=device))
@@ -205,6 +207,36 @@ def test_gemv_ops_write_their_out_and_compile_to_eager_bits(device, generator):
 
     torch._dynamo.reset()
     assert torch.equal(torch.compile(two_layers, fullgraph=True)(x), two_layers(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads, head_dim, k", [((4, 2), 64, 100), ((6, 2), 16, 96), ((3, 1), 8, 2500)], ids=["d64", "d16", "d8_k2500"]
+)
+@pytest.mark.parametrize("fused", [True, False], ids=["q_k_v_fused", "q_alone"])
+def test_gemv_folds_the_rotary_embedding(heads, head_dim, k, fused, dtype, device, generator):
+    """``gemv(..., cos=, sin=, rotated=)`` gives the bits of the GEMV, then :func:`layer_ops.apply_rotary_embedding`
+    (checked against HF's ``apply_rotary_pos_emb`` above) on its q and k rows; the v rows untouched. Fused: the q/k/v
+    projection of a decode step, ``rotated`` covering q and k; alone: a q projection, every row rotated."""
+    num_q, num_kv = heads
+    sizes = [num_q * head_dim, num_kv * head_dim, num_kv * head_dim] if fused else [num_q * head_dim]
+    x = randn((1, 1, k), generator=generator, dtype=dtype, device=device)
+    weight = randn((sum(sizes), k), generator=generator, dtype=dtype, device=device) / k**0.5
+    bias = randn((sum(sizes),), generator=generator, dtype=dtype, device=device)
+    angles = randn((1, 1, head_dim // 2), generator=generator, dtype=torch.float32, device=device) * 100
+    cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(dtype) for f in (torch.cos, torch.sin))
+
+    rotated = layer_ops.gemv(x, weight, bias, cos=cos, sin=sin, rotated=sum(sizes[:2]) if fused else None)
+
+    def heads_of(rows):  # [1, 1, H * D] -> [1, H, 1, D], as HF's attention views its projections
+        return rows.view(1, 1, -1, head_dim).transpose(1, 2)
+
+    plain = layer_ops.gemv(x, weight, bias).split(sizes, dim=-1)
+    query = heads_of(plain[0])
+    key = heads_of(plain[1]) if fused else query[:, :1]
+    query, key = layer_ops.apply_rotary_embedding(query, key, cos, sin)
+    expected = [query] + ([key, heads_of(plain[2])] if fused else [])
+    assert torch.equal(rotated, torch.cat([t.transpose(1, 2).reshape(1, 1, -1) for t in expected], dim=-1))
 
 
 def test_gemv_errors_name_the_argument_and_the_fix(device, generator):
@@ -226,6 +258,17 @@ def test_gemv_errors_name_the_argument_and_the_fix(device, generator):
         layer_ops.gemv(x, weight, norm_weight=x[0, :32])
     with pytest.raises(ValueError, match="eps must be >= 0"):
         layer_ops.gemv(x, weight, norm_weight=x[0], eps=-1.0)
+    cos = x[0, :8]
+    with pytest.raises(ValueError, match="pass both cos and sin"):
+        layer_ops.gemv(x, weight, cos=cos)
+    with pytest.raises(ValueError, match=r"cos must be \[..., D\] holding one row"):
+        layer_ops.gemv(x, weight, cos=x.expand(2, 64), sin=x.expand(2, 64))
+    with pytest.raises(ValueError, match="D is a multiple of 8, got D = 12; apply_rotary_embedding takes any even D"):
+        layer_ops.gemv(x, weight[:12], cos=x[0, :12], sin=x[0, :12])
+    with pytest.raises(ValueError, match=r"rotated must be a multiple of D = 8 in \(0, N = 16\]"):
+        layer_ops.gemv(x, weight, cos=cos, sin=cos, rotated=12)
+    with pytest.raises(TypeError, match="sin dtype torch.float16 must match x"):
+        layer_ops.gemv(x, weight, cos=cos, sin=cos.half())
     with pytest.raises(ValueError, match=r"weight must be \[N, K\] with K = x.shape\[-1\] = 64"):
         layer_ops.gemv(x, weight[:, :32])
     with pytest.raises(ValueError, match=r"bias must be \[N\] = \[16\]"):
@@ -318,8 +361,9 @@ def test_patched_model_matches_stock_and_runs_the_kernels(
 @pytest.mark.parametrize("with_bias", [False, True], ids=["llama", "qwen2_biases"])
 @torch.no_grad()
 def test_batch_1_decode_runs_the_gemv(fuse_first, with_bias, device, generator, request, layer_kernel_launches):
-    """At one row per step every projection of a decode step runs on the GEMV, with the residual adds and the
-    SiLU-and-mul inside (stock's tokens and logits); the prefill, with more rows, keeps the model's GEMMs."""
+    """At one row per step every projection of a decode step runs on the GEMV, with the norms, the RoPE, the residual
+    adds and the SiLU-and-mul inside (stock's tokens and logits); the prefill, with more rows, keeps the model's
+    GEMMs."""
     seed = seed_of(request)
     model = tiny_same_attention_model("qwen2", seed, device) if with_bias else tiny_llama("gqa", seed, device)
     input_ids, attention_mask = random_prompts([6], generator, device)
@@ -339,11 +383,13 @@ def test_batch_1_decode_runs_the_gemv(fuse_first, with_bias, device, generator, 
     projections = 4 if fuse_first else 7  # q/k/v, o, gate/up, down; or each of the seven
     decode_steps = 3  # the 4 new tokens: the prefill's, then 3 one-row decode steps
     layers = model.config.num_hidden_layers
-    # A decode step's RMSNorms (but the final one) and SiLU-and-mul run inside the GEMVs; the prefill's on their own.
+    # A decode step's RMSNorms (but the final one), RoPE and SiLU-and-mul run inside the GEMVs; the prefill's on
+    # their own.
+    assert model.config.head_dim % 8 == 0  # what the GEMV's RoPE takes
     assert launches == {
         "gemv_triton": decode_steps * layers * projections,
         "rms_norm_triton": 2 * layers + 1 + decode_steps,
-        "rotary_embedding_triton": layers * (1 + decode_steps),
+        "rotary_embedding_triton": layers,
         "silu_and_mul_triton": layers,
     }
     torch.testing.assert_close(logits, stock_logits, rtol=1e-4, atol=1e-4)

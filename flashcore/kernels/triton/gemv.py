@@ -11,7 +11,7 @@ never are.
 Each program owns ``BLOCK_N`` outputs and walks K in ``BLOCK_K`` steps, accumulating ``w * x`` elementwise in fp32;
 one reduction per output at the end, then the bias, then one rounding to the output dtype.
 
-Three options fold the decoder layer's neighbouring work into the GEMV, each one launch fewer per use:
+Four options fold the decoder layer's neighbouring work into the GEMV, each one launch fewer per use:
 
 - ``residual``: adds a residual to the rounded output and rounds again, HF's ``residual + o_proj(x)`` (and
   ``+ down_proj(...)``);
@@ -20,7 +20,11 @@ Three options fold the decoder layer's neighbouring work into the GEMV, each one
 - ``norm_weight``: the input row is ``rms_norm(x, norm_weight, eps)`` with the norm's roundings: every program sums
   the row's squares itself (the row is K values, a few KB read from L2), then normalizes each K step as it reads
   it. The q/k/v and gate/up projections take their layer's RMSNorm this way. The sum runs in K-step chunks, not in
-  the norm kernel's order, so an input value may round the other way than ``rms_norm``'s.
+  the norm kernel's order, so an input value may round the other way than ``rms_norm``'s;
+- ``cos``/``sin``: the first ``rotated`` outputs are heads that get the rotary embedding, rounded as
+  ``layer_kernels.py``'s RoPE kernel rounds: the q/k/v projection of a decode step, without RoPE's launch. A program
+  that rotates owns ``BLOCK_N / 2`` rows of a head's first half and their partners ``D / 2`` rows on
+  (:func:`_rotary_rows`), so each output's partner in ``rotate_half`` is in its registers.
 """
 
 from __future__ import annotations
@@ -57,6 +61,31 @@ def _gemv_input(x, up_ptr, norm_weight_ptr, inv_rms, cols, mask_k, SWIGLU: tl.co
 
 
 @triton.jit
+def _rotary_rows(BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """The rows of a program that rotates: ``BLOCK_N // 2`` consecutive rows of the first half of a head, then the
+    rows ``HALF`` after each, their partners in ``rotate_half``. Over the programs, each rotated row once."""
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    r = tl.arange(0, BLOCK_N)
+    pair = tl.program_id(0) * PAIRS + r % PAIRS
+    return (pair // HALF) * (2 * HALF) + pair % HALF + (r // PAIRS) * HALF
+
+
+@triton.jit
+def _rotate_pairs(out, cos_ptr, sin_ptr, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """``out`` (rounded, in :func:`_rotary_rows`' order) rotated: ``x * cos + rotate_half(x) * sin`` with each
+    product rounded to the dtype, as ``layer_kernels._rotate_head`` computes it."""
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    dtype = out.dtype
+    lo, hi = tl.split(tl.trans(tl.reshape(out.to(tl.float32), (2, PAIRS))))
+    dims = (tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)) % HALF
+    cos_lo, cos_hi = tl.load(cos_ptr + dims).to(tl.float32), tl.load(cos_ptr + HALF + dims).to(tl.float32)
+    sin_lo, sin_hi = tl.load(sin_ptr + dims).to(tl.float32), tl.load(sin_ptr + HALF + dims).to(tl.float32)
+    out_lo = (lo * cos_lo).to(dtype).to(tl.float32) + (-hi * sin_lo).to(dtype).to(tl.float32)
+    out_hi = (hi * cos_hi).to(dtype).to(tl.float32) + (lo * sin_hi).to(dtype).to(tl.float32)
+    return tl.reshape(tl.trans(tl.join(out_lo, out_hi)), (BLOCK_N,)).to(dtype)
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr,  # [K]; the gate row when SWIGLU
     up_ptr,  # [K]; read only when SWIGLU
@@ -64,20 +93,27 @@ def _gemv_kernel(
     weight_ptr,  # [N, K], unit stride along K
     bias_ptr,  # [N]; read only when HAS_BIAS
     residual_ptr,  # [N]; read only when HAS_RESIDUAL
+    cos_ptr,  # [D]; read only when ROTARY
+    sin_ptr,  # [D]; read only when ROTARY
     out_ptr,  # [N]
     n,
     k,
     stride_weight_n,
     eps,  # the norm's; used only when NORM
+    rotated,  # outputs [0, rotated) are heads of D = 2 * HALF to rotate; used only when ROTARY
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWIGLU: tl.constexpr,
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    ROTARY: tl.constexpr,
+    HALF: tl.constexpr,  # D / 2; used only when ROTARY
     USE_PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROTARY:
+        offs_n = tl.where(tl.program_id(0) * BLOCK_N < rotated, _rotary_rows(BLOCK_N, HALF), offs_n)
     mask_n = offs_n < n
     offs_k = tl.arange(0, BLOCK_K)
     weight_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * stride_weight_n
@@ -107,6 +143,9 @@ def _gemv_kernel(
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     out = out.to(out_ptr.dtype.element_ty)
+    if ROTARY:
+        if tl.program_id(0) * BLOCK_N < rotated:
+            out = _rotate_pairs(out, cos_ptr, sin_ptr, BLOCK_N, HALF)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + offs_n, mask=mask_n, other=0.0)
         out = (out.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
@@ -114,6 +153,9 @@ def _gemv_kernel(
 
 
 _launch_gemv = CachedLauncher(_gemv_kernel)
+
+
+BLOCK_N = 8  # outputs per program; a rotated head's D must be a multiple of it
 
 
 def gemv_config(n: int, k: int, whole_row: bool = False) -> dict:
@@ -131,9 +173,9 @@ def gemv_config(n: int, k: int, whole_row: bool = False) -> dict:
     ``benchmarks/probes/session_folded_norm_b1.py``, entry 55); the compiled session was measured with it."""
     if whole_row and k <= 4096:
         block_k = triton.next_power_of_2(k)
-        return dict(block_n=8, block_k=block_k, num_warps=min(16, max(4, block_k // 256)))
+        return dict(block_n=BLOCK_N, block_k=block_k, num_warps=min(16, max(4, block_k // 256)))
     block_k = min(triton.next_power_of_2(k), 1024 if k <= 2048 else 2048)
-    return dict(block_n=8, block_k=block_k, num_warps=4 if k <= 2048 else 8)
+    return dict(block_n=BLOCK_N, block_k=block_k, num_warps=4 if k <= 2048 else 8)
 
 
 def gemv_triton(
@@ -146,12 +188,17 @@ def gemv_triton(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    rotated: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` ``[K]`` contiguous, ``weight`` ``[N, K]`` with unit stride along K, ``bias`` ``[N]`` or None; returns
     ``out`` (``[N]`` contiguous of ``x``'s dtype; a new one if None). With ``up`` (``[K]`` contiguous) the input is
     ``silu(x) * up``; with ``norm_weight`` (``[K]``) it is ``rms_norm(x, norm_weight, eps)``; with ``residual``
-    (``[N]`` contiguous) that is added to the output. ``config`` overrides :func:`gemv_config` (probes sweep it)."""
+    (``[N]`` contiguous) that is added to the output; with ``cos`` and ``sin`` (``[D]`` contiguous) the outputs
+    ``[0, rotated)``, heads of D with ``rotated`` a multiple of D and D of ``2 * block_n``, get the rotary embedding.
+    ``config`` overrides :func:`gemv_config` (probes sweep it)."""
     n, k = weight.shape
     if out is None:
         out = torch.empty(n, dtype=x.dtype, device=x.device)
@@ -162,13 +209,14 @@ def gemv_triton(
         (triton.cdiv(n, config["block_n"]), 1, 1),
         (
             x, up if up is not None else unused, norm_weight if norm_weight is not None else unused, weight,
-            bias if bias is not None else unused, residual if residual is not None else unused, out, n, k,
-            weight.stride(0), float(eps),
+            bias if bias is not None else unused, residual if residual is not None else unused,
+            cos if cos is not None else unused, sin if sin is not None else unused, out, n, k, weight.stride(0),
+            float(eps), rotated,
         ),
         dict(
             BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], SWIGLU=up is not None,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-            USE_PDL=use_pdl,
+            ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, USE_PDL=use_pdl,
         ),
         num_warps=config["num_warps"],
         num_stages=1,
