@@ -331,10 +331,15 @@ def _(gate, up):
     return gate.new_empty(gate.shape)
 
 
-@torch.library.custom_op("flashcore::apply_rotary_embedding", mutates_args=())
+# flexible_layout: inductor passes the inputs in the layout it has, where by default it gives each call an input of
+# the exact strides eager had. That default made it compute the model's cos and sin again into a buffer of their own
+# for every layer's call, one kernel per layer in a compiled decode step (NOTES.md, entry 55). The kernel takes any
+# strides but a unit one along D, which the body checks.
+@torch.library.custom_op("flashcore::apply_rotary_embedding", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def _rotary_embedding_op(
     query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_like(query, "query", key=key, cos=cos, sin=sin)
     with on_device_of(query):
         return layer_kernels.rotary_embedding_triton(query, key, cos, sin)
 
