@@ -5,7 +5,8 @@ same bits: inductor no longer fuses HF's norm and activation code its own way, i
 step does. Per layer, four launches replace about 28 small eager kernels (HF's code: 8 per RMSNorm, 5 per RoPE of
 q or of k, 2 for SwiGLU), which is what a graph-replayed step without inductor spent most of its time on at batch 1
 (``benchmarks/NOTES.md``, entries 10 and 32). At one token per forward (a batch-1 decode step) the projections run
-on flashcore's one-row GEMV too, which starts loading its weight while the kernel before it runs (entry 54).
+on flashcore's one-row GEMV too, which starts loading its weight while the kernel before it runs (entry 54), and
+so does the LM head (:class:`OneRowGemvForward`).
 
 Every RMSNorm of the decoder (each layer's two, and the final one) gets a per-instance forward that calls
 :func:`flashcore.layer_ops.rms_norm` (``LlamaRMSNorm``'s only hook, ``use_kernel_forward_from_hub``, works only with
@@ -23,6 +24,7 @@ and ``DecodeSession(compile=True)`` sets it itself.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers import CompileConfig
 
 from flashcore import layer_ops
@@ -64,6 +66,9 @@ def enable(model: torch.nn.Module) -> None:
     for layer in model.base_model.layers:
         for module in (layer, layer.self_attn, layer.mlp):
             module._uses_layer_kernels = True
+    head = _head(model)
+    if head is not None and type(head) is torch.nn.Linear and "forward" not in head.__dict__:
+        head.forward = OneRowGemvForward(head)
 
 
 def disable(model: torch.nn.Module) -> None:
@@ -76,6 +81,9 @@ def disable(model: torch.nn.Module) -> None:
     for layer in model.base_model.layers:
         for module in (layer, layer.self_attn, layer.mlp):
             module.__dict__.pop("_uses_layer_kernels", None)
+    head = _head(model)
+    if head is not None and isinstance(head.__dict__.get("forward"), OneRowGemvForward):
+        del head.forward
 
 
 def runs_kernel_norm(norm: torch.nn.Module) -> bool:
@@ -96,6 +104,26 @@ class KernelNormForward:
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return layer_ops.rms_norm(hidden_states, self.norm.weight, self.norm.variance_epsilon)
+
+
+class OneRowGemvForward:
+    """The LM head's forward, set by :func:`enable` where the head is a plain ``nn.Linear`` whose forward nothing
+    else replaced: for one row (a batch-1 step's last token) flashcore's GEMV, which loads its weight while the
+    final norm runs, else ``F.linear`` as ``nn.Linear`` computes it."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        self.linear = linear
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        linear = self.linear
+        plain = type(linear.weight) is torch.nn.Parameter and not (linear._forward_hooks or linear._forward_pre_hooks)
+        if plain and x.numel() == x.shape[-1]:
+            return layer_ops.gemv(x, linear.weight, linear.bias)
+        return F.linear(x, linear.weight, linear.bias)
+
+
+def _head(model: torch.nn.Module) -> torch.nn.Module | None:
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 
 def _norms(model: torch.nn.Module) -> list[torch.nn.Module]:
