@@ -1,0 +1,71 @@
+"""Issue 29: what the RoPE inside the q/k/v GEMV and the LM head on the GEMV save in a B=1 replayed step.
+
+Since entry 56 a one-token step with ``layer_kernels=True`` computes the rotary embedding of q and k in the q/k/v
+GEMV's epilogue (no RoPE launch, and under ``torch.compile`` no per-layer cos/sin kernel of inductor's), and runs the
+LM head on flashcore's GEMV instead of cuBLAS. This probe times a ``DecodeSession``'s replayed step
+(``fuse_projections`` and ``layer_kernels``) on ``bench_generate``'s model (the Llama-3.2-1B shape, bf16, a 512-token
+prompt, ``max_cache_len=2048``) in one process, the variants alternating over ``--rounds`` rounds:
+
+- ``separate``: RoPE on its own kernel (the fold switched off by making ``flashcore.layer_ops.gemv_can_rotate``
+  answer False in this process) and the LM head on ``nn.Linear``'s forward (flashcore's head forward removed);
+- ``rope_folded``: the RoPE in the GEMV, the head as in ``separate``;
+- ``rope_folded_head_gemv``: both (the default);
+- ``separate_compiled`` / ``rope_folded_head_gemv_compiled``: the first and the last with ``compile=True``.
+
+Per variant: µs per replayed step (median over rounds of the median of 5 timings of 100 replays; the context grows
+by 500 tokens over them), and the first step where its 32 greedy tokens part from ``separate``'s (None: all equal).
+
+    python benchmarks/probes/session_rope_head_b1.py --out benchmarks/probes/results/session_rope_head_b1.json
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness  # noqa: E402
+
+from flashcore import layer_ops  # noqa: E402
+
+VARIANTS = {  # name: (compile, RoPE in the q/k/v GEMV, LM head on the GEMV)
+    "separate": (False, False, False),
+    "rope_folded": (False, True, False),
+    "rope_folded_head_gemv": (False, True, True),
+    "separate_compiled": (True, False, False),
+    "rope_folded_head_gemv_compiled": (True, True, True),
+}
+REPLAYS, TIMINGS, TOKENS = 100, 5, 32
+
+
+def timed_session(model, input_ids, compile: bool, rope_folded: bool, head_gemv: bool) -> dict:
+    from flashcore.integrations.decode_session import DecodeSession
+
+    gemv_can_rotate = layer_ops.gemv_can_rotate
+    if not rope_folded:
+        layer_ops.gemv_can_rotate = lambda head_dim: False
+    options = dict(compile=compile, fuse_projections=True, layer_kernels=True)
+    session = DecodeSession(model, max_cache_len=2048, batch_size=input_ids.shape[0], **options)
+    head = model.get_output_embeddings()
+    head_forward = head.__dict__.pop("forward") if not head_gemv else None
+    try:
+        tokens = [session.prefill(input_ids).clone()]
+        tokens += [session.decode_step().clone() for _ in range(TOKENS - 1)]  # eager warm-up, capture, replays
+        timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, REPLAYS, TIMINGS)]
+    finally:
+        layer_ops.gemv_can_rotate = gemv_can_rotate
+        if head_forward is not None:
+            head.forward = head_forward
+    return {"us_per_step": statistics.median(timings), "tokens": torch.stack(tokens, 1)[0].tolist()}
+
+
+def main() -> None:
+    harness.session_probe_main(__doc__, VARIANTS, timed_session, reference="separate")
+
+
+if __name__ == "__main__":
+    main()
