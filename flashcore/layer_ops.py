@@ -224,7 +224,8 @@ def silu_and_mul_gemv(
 def _check_rotary(
     x: torch.Tensor, n: int, cos: torch.Tensor | None, sin: torch.Tensor | None, rotated: int | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-    """Checks the GEMV's rotary embedding; returns ``cos`` and ``sin`` as ``[D]`` rows and ``rotated`` as an int
+    """Checks the GEMV's rotary embedding; returns ``cos``, ``sin`` (as given: a view of them would be one more
+    buffer per layer under ``torch.compile``) and ``rotated`` as an int
     (0 without them)."""
     if cos is None and sin is None:
         return None, None, 0
@@ -246,7 +247,7 @@ def _check_rotary(
     if not (isinstance(rotated, int) and 0 < rotated <= n and rotated % head_dim == 0):
         raise ValueError(f"rotated must be a multiple of D = {head_dim} in (0, N = {n}] or None, got {rotated!r}")
     _check_like(x, "x", cos=cos, sin=sin)
-    return cos.reshape(-1), sin.reshape(-1), rotated
+    return cos, sin, rotated
 
 
 def _check_one_row(x: torch.Tensor, name: str) -> None:
@@ -358,7 +359,8 @@ def _(query, key, cos, sin):
 # by two of them, made that string grow about 26-fold per layer, until HF's compiled ``generate`` of a 16-layer model
 # hung in it (NOTES.md, entry 55). An ``out`` allocated in the graph is a buffer of its own, which inductor prints by
 # name: the string stays the same length at any depth (``benchmarks/probes/inductor_ir_str_growth.py``, entry 56).
-@torch.library.custom_op("flashcore::gemv", mutates_args=("out",))
+# flexible_layout as for the RoPE op above, for the same cos and sin; the body checks the unit strides.
+@torch.library.custom_op("flashcore::gemv", mutates_args=("out",), tags=(torch.Tag.flexible_layout,))
 def _gemv_op(
     row: torch.Tensor,
     weight: torch.Tensor,
@@ -371,6 +373,8 @@ def _gemv_op(
     rotated: int,
     out: torch.Tensor,
 ) -> None:
+    vectors = dict(residual=residual, cos=cos, sin=sin, out=out)
+    _check_like(row, "row", weight=weight, **{name: t for name, t in vectors.items() if t is not None})
     with on_device_of(row):
         gemv_kernels.gemv_triton(
             row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, cos=cos, sin=sin,
