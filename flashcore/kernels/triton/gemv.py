@@ -110,6 +110,7 @@ def _gemv_kernel(
     ROTARY: tl.constexpr,
     HALF: tl.constexpr,  # D / 2; used only when ROTARY
     USE_PDL: tl.constexpr,
+    RELEASE_EARLY: tl.constexpr,  # with USE_PDL: let the next kernel launch right after the wait, not at the end
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if ROTARY:
@@ -123,7 +124,8 @@ def _gemv_kernel(
     w = tl.load(weight_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
     if USE_PDL:
         gdc_wait()  # x comes from the kernel before
-        gdc_launch_dependents()
+        if RELEASE_EARLY:
+            gdc_launch_dependents()
     x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
     inv_rms = 1.0
     if NORM:
@@ -217,6 +219,7 @@ def gemv_triton(
             BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], SWIGLU=up is not None,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
             ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, USE_PDL=use_pdl,
+            RELEASE_EARLY=True,
         ),
         num_warps=config["num_warps"],
         num_stages=1,
