@@ -110,7 +110,6 @@ def _gemv_kernel(
     ROTARY: tl.constexpr,
     HALF: tl.constexpr,  # D / 2; used only when ROTARY
     USE_PDL: tl.constexpr,
-    RELEASE_EARLY: tl.constexpr,  # with USE_PDL: let the next kernel launch right after the wait, not at the end
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if ROTARY:
@@ -124,8 +123,7 @@ def _gemv_kernel(
     w = tl.load(weight_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
     if USE_PDL:
         gdc_wait()  # x comes from the kernel before
-        if RELEASE_EARLY:
-            gdc_launch_dependents()
+        gdc_launch_dependents()
     x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
     inv_rms = 1.0
     if NORM:
@@ -175,7 +173,10 @@ def gemv_config(n: int, k: int, whole_row: bool = False) -> dict:
     ``benchmarks/probes/session_folded_norm_b1.py``, entry 55); the compiled session was measured with it."""
     if whole_row and k <= 4096:
         block_k = triton.next_power_of_2(k)
-        return dict(block_n=BLOCK_N, block_k=block_k, num_warps=min(16, max(4, block_k // 256)))
+        num_warps = min(16, max(4, block_k // 256))
+        # At 8 warps, two programs per SM need <= 128 registers a thread, which the RoPE epilogue passes
+        # (161 on the H100's triton 3.6: one program per SM, the q/k/v GEMV in three waves; entry 56).
+        return dict(block_n=BLOCK_N, block_k=block_k, num_warps=num_warps, maxnreg=128 if num_warps == 8 else None)
     block_k = min(triton.next_power_of_2(k), 1024 if k <= 2048 else 2048)
     return dict(block_n=BLOCK_N, block_k=block_k, num_warps=4 if k <= 2048 else 8)
 
@@ -219,10 +220,10 @@ def gemv_triton(
             BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], SWIGLU=up is not None,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
             ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, USE_PDL=use_pdl,
-            RELEASE_EARLY=True,
         ),
         num_warps=config["num_warps"],
         num_stages=1,
         launch_pdl=use_pdl,
+        maxnreg=config.get("maxnreg"),
     )  # fmt: skip
     return out
