@@ -225,5 +225,6 @@ def gemv_triton(
         num_stages=1,
         launch_pdl=use_pdl,
         maxnreg=config.get("maxnreg"),
+        fp_fusion=False,  # the RoPE, the norm and the SiLU round each product as HF's eager code does (entry 56)
     )  # fmt: skip
     return out

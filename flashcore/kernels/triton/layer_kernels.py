@@ -2,8 +2,10 @@
 
 Each kernel rounds to the input dtype where transformers' eager code does (``LlamaRMSNorm``, ``act_fn(gate) * up``,
 ``apply_rotary_pos_emb``), so in bf16 it differs from HF's eager result only in the norm's summation order and in
-the ``exp``/``rsqrt`` implementations. The point is that eager calls, CUDA-graph replays and ``torch.compile`` all
-run these same kernels (``flashcore/layer_ops.py``), so they give the same bits.
+the ``exp``/``rsqrt`` implementations. The RoPE kernel compiles without FMA contraction (``fp_fusion=False``): with
+it, on the H100 the compiler fused a product and the sum after it into one FMA, in bf16 too, and an output could
+differ by an ulp from HF's two roundings (NOTES.md, entry 56). The point is that eager calls, CUDA-graph replays
+and ``torch.compile`` all run these same kernels (``flashcore/layer_ops.py``), so they give the same bits.
 
 All three launch with programmatic dependent launch where flashcore's attention kernel does: a launch may start
 while the previous kernel drains, and ``gdc_wait`` holds every memory access until that kernel's writes are visible.
@@ -216,5 +218,6 @@ def rotary_embedding_triton(
         num_warps=1 if head_dim <= 128 else 2,
         num_stages=1,
         launch_pdl=use_pdl,
+        fp_fusion=False,  # see the module docstring
     )  # fmt: skip
     return query_out.transpose(1, 2), key_out.transpose(1, 2)
