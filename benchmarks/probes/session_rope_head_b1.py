@@ -10,7 +10,6 @@ prompt, ``max_cache_len=2048``) in one process, the variants alternating over ``
   answer False in this process) and the LM head on ``nn.Linear``'s forward (flashcore's head forward removed);
 - ``rope_folded``: the RoPE in the GEMV, the head as in ``separate``;
 - ``..._head_gemv``: the LM head on the GEMV (the default);
-- ``..._fma``: the GEMV compiled with FMA contraction, as before entry 56 (its launcher wrapped in this process);
 - ``..._compiled``: with ``compile=True``.
 
 Per variant: µs per replayed step (median over rounds of the median of 5 timings of 100 replays; the context grows
@@ -32,27 +31,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 
 from flashcore import layer_ops  # noqa: E402
-from flashcore.kernels.triton import gemv as gemv_kernels  # noqa: E402
 
-VARIANTS = {  # name: (compile, RoPE in the q/k/v GEMV, LM head on the GEMV, the GEMV with FMA contraction)
-    "separate": (False, False, False, False),
-    "rope_folded": (False, True, False, False),
-    "separate_head_gemv": (False, False, True, False),
-    "rope_folded_head_gemv": (False, True, True, False),
-    "rope_folded_head_gemv_fma": (False, True, True, True),
+VARIANTS = {  # name: (compile, RoPE in the q/k/v GEMV, LM head on the GEMV)
+    "separate": (False, False, False),
+    "rope_folded": (False, True, False),
+    "separate_head_gemv": (False, False, True),
+    "rope_folded_head_gemv": (False, True, True),
 }
 VARIANTS |= {f"{name}_compiled": (True, *switches[1:]) for name, switches in VARIANTS.items()}
 REPLAYS, TIMINGS, TOKENS = 100, 5, 32
 
 
-def timed_session(model, input_ids, compile: bool, rope_folded: bool, head_gemv: bool, fma: bool) -> dict:
+def timed_session(model, input_ids, compile: bool, rope_folded: bool, head_gemv: bool) -> dict:
     from flashcore.integrations.decode_session import DecodeSession
 
-    gemv_can_rotate, launch_gemv = layer_ops.gemv_can_rotate, gemv_kernels._launch_gemv
+    gemv_can_rotate = layer_ops.gemv_can_rotate
     if not rope_folded:
         layer_ops.gemv_can_rotate = lambda head_dim: False
-    if fma:
-        gemv_kernels._launch_gemv = lambda *args, fp_fusion, **kwargs: launch_gemv(*args, fp_fusion=True, **kwargs)
     options = dict(compile=compile, fuse_projections=True, layer_kernels=True)
     session = DecodeSession(model, max_cache_len=2048, batch_size=input_ids.shape[0], **options)
     head = model.get_output_embeddings()
@@ -62,7 +57,7 @@ def timed_session(model, input_ids, compile: bool, rope_folded: bool, head_gemv:
         tokens += [session.decode_step().clone() for _ in range(TOKENS - 1)]  # eager warm-up, capture, replays
         timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, REPLAYS, TIMINGS)]
     finally:
-        layer_ops.gemv_can_rotate, gemv_kernels._launch_gemv = gemv_can_rotate, launch_gemv
+        layer_ops.gemv_can_rotate = gemv_can_rotate
         if head_forward is not None:
             head.forward = head_forward
     return {"us_per_step": statistics.median(timings), "tokens": torch.stack(tokens, 1)[0].tolist()}

@@ -66,8 +66,7 @@ class CachedLauncher:
     ``args`` are the kernel's runtime arguments in signature order (tensors, TMA descriptors, ints, floats), the
     first a tensor (its device picks the path); ``constexprs`` maps every constexpr name to its value.
     ``launch_pdl`` and ``maxnreg`` are Triton's compile options of those names (the compiled kernel's launcher
-    then sets the launch attributes itself); ``fp_fusion=False`` is its ``enable_fp_fusion=False``: no multiply and
-    add contracted into an FMA, for kernels that must round as PyTorch's separate ops do.
+    then sets the launch attributes itself).
     """
 
     def __init__(self, kernel) -> None:
@@ -85,9 +84,8 @@ class CachedLauncher:
         num_stages: int,
         launch_pdl: bool = False,
         maxnreg: int | None = None,
-        fp_fusion: bool = True,
     ) -> None:
-        options = _compile_options(num_warps, num_stages, launch_pdl, maxnreg, fp_fusion)
+        options = _compile_options(num_warps, num_stages, launch_pdl, maxnreg)
         if not args[0].is_cuda or _launch_hooks_set():
             self._launch_through_jit(grid, args, constexprs, options)
             return
@@ -121,7 +119,6 @@ class CachedLauncher:
         num_stages: int,
         launch_pdl: bool = False,
         maxnreg: int | None = None,
-        fp_fusion: bool = True,
     ) -> BoundLaunch | None:
         """A :class:`BoundLaunch` of the kernel this launch signature compiled to, or None where there is none yet.
 
@@ -130,7 +127,7 @@ class CachedLauncher:
         argument is kept as it is now. None for a launch that went through Triton's JIT (the interpreter, launch
         hooks, an argument the signature does not key) or whose varying tensors are not 16-byte aligned.
         """
-        options = _compile_options(num_warps, num_stages, launch_pdl, maxnreg, fp_fusion)
+        options = _compile_options(num_warps, num_stages, launch_pdl, maxnreg)
         if not args[0].is_cuda or _launch_hooks_set():
             return None
         if any(args[position].data_ptr() % 16 for position in varying):
@@ -187,17 +184,13 @@ class CachedLauncher:
         self._compiled[key] = (compiled, tuple(constexprs[name] for name in self._constexpr_names))
 
 
-def _compile_options(
-    num_warps: int, num_stages: int, launch_pdl: bool, maxnreg: int | None, fp_fusion: bool = True
-) -> dict:
+def _compile_options(num_warps: int, num_stages: int, launch_pdl: bool, maxnreg: int | None) -> dict:
     options = dict(num_warps=num_warps, num_stages=num_stages)
     # Only a launch that names an option passes it, so a kernel launched without it compiles as it always did.
     if launch_pdl:
         options["launch_pdl"] = True
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
-    if not fp_fusion:
-        options["enable_fp_fusion"] = False
     return options
 
 

@@ -22,9 +22,9 @@ Four options fold the decoder layer's neighbouring work into the GEMV, each one 
   it. The q/k/v and gate/up projections take their layer's RMSNorm this way. The sum runs in K-step chunks, not in
   the norm kernel's order, so an input value may round the other way than ``rms_norm``'s;
 - ``cos``/``sin``: the first ``rotated`` outputs are heads that get the rotary embedding, rounded as
-  ``layer_kernels.py``'s RoPE kernel rounds: the q/k/v projection of a decode step, without RoPE's launch. A program
-  that rotates owns ``BLOCK_N / 2`` rows of a head's first half and their partners ``D / 2`` rows on
-  (:func:`_rotary_rows`), so each output's partner in ``rotate_half`` is in its registers.
+  ``layer_kernels.py``'s RoPE kernel rounds (HF's, to the bit): the q/k/v projection of a decode step, without
+  RoPE's launch. A program that rotates owns ``BLOCK_N / 2`` rows of a head's first half and their partners
+  ``D / 2`` rows on (:func:`_rotary_rows`), so each output's partner in ``rotate_half`` is in its registers.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
-from flashcore.kernels.triton.layer_kernels import rms_normalize, silu_and_mul
+from flashcore.kernels.triton.layer_kernels import rms_normalize, rotate_halves, silu_and_mul
 
 
 @triton.jit
@@ -71,18 +71,16 @@ def _rotary_rows(BLOCK_N: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rotate_pairs(out, cos_ptr, sin_ptr, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
-    """``out`` (rounded, in :func:`_rotary_rows`' order) rotated: ``x * cos + rotate_half(x) * sin`` with each
-    product rounded to the dtype, as ``layer_kernels._rotate_head`` computes it."""
+def _rotate_pairs(out, cos_ptr, sin_ptr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
+    """``out`` (rounded, in :func:`_rotary_rows`' order) rotated with ``layer_kernels.rotate_halves``, as the RoPE
+    kernel rotates it."""
     PAIRS: tl.constexpr = BLOCK_N // 2
-    dtype = out.dtype
-    lo, hi = tl.split(tl.trans(tl.reshape(out.to(tl.float32), (2, PAIRS))))
+    lo, hi = tl.split(tl.trans(tl.reshape(out, (2, PAIRS))))
     dims = (tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)) % HALF
     cos_lo, cos_hi = tl.load(cos_ptr + dims).to(tl.float32), tl.load(cos_ptr + HALF + dims).to(tl.float32)
     sin_lo, sin_hi = tl.load(sin_ptr + dims).to(tl.float32), tl.load(sin_ptr + HALF + dims).to(tl.float32)
-    out_lo = (lo * cos_lo).to(dtype).to(tl.float32) + (-hi * sin_lo).to(dtype).to(tl.float32)
-    out_hi = (hi * cos_hi).to(dtype).to(tl.float32) + (lo * sin_hi).to(dtype).to(tl.float32)
-    return tl.reshape(tl.trans(tl.join(out_lo, out_hi)), (BLOCK_N,)).to(dtype)
+    out_lo, out_hi = rotate_halves(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, EXACT)
+    return tl.reshape(tl.trans(tl.join(out_lo, out_hi)), (BLOCK_N,))
 
 
 @triton.jit
@@ -109,6 +107,7 @@ def _gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,
     ROTARY: tl.constexpr,
     HALF: tl.constexpr,  # D / 2; used only when ROTARY
+    EXACT_ROTARY: tl.constexpr,  # layer_kernels.rotate_halves' EXACT
     USE_PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -145,7 +144,7 @@ def _gemv_kernel(
     out = out.to(out_ptr.dtype.element_ty)
     if ROTARY:
         if tl.program_id(0) * BLOCK_N < rotated:
-            out = _rotate_pairs(out, cos_ptr, sin_ptr, BLOCK_N, HALF)
+            out = _rotate_pairs(out, cos_ptr, sin_ptr, BLOCK_N, HALF, EXACT_ROTARY)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + offs_n, mask=mask_n, other=0.0)
         out = (out.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
@@ -219,12 +218,12 @@ def gemv_triton(
         dict(
             BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], SWIGLU=up is not None,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
-            ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, USE_PDL=use_pdl,
+            ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, EXACT_ROTARY=x.is_cuda,
+            USE_PDL=use_pdl,
         ),
         num_warps=config["num_warps"],
         num_stages=1,
         launch_pdl=use_pdl,
         maxnreg=config.get("maxnreg"),
-        fp_fusion=False,  # the RoPE, the norm and the SiLU round each product as HF's eager code does (entry 56)
     )  # fmt: skip
     return out

@@ -2,10 +2,9 @@
 
 Each kernel rounds to the input dtype where transformers' eager code does (``LlamaRMSNorm``, ``act_fn(gate) * up``,
 ``apply_rotary_pos_emb``), so in bf16 it differs from HF's eager result only in the norm's summation order and in
-the ``exp``/``rsqrt`` implementations. The RoPE kernel compiles without FMA contraction (``fp_fusion=False``): with
-it, on the H100 the compiler fused a product and the sum after it into one FMA, in bf16 too, and an output could
-differ by an ulp from HF's two roundings (NOTES.md, entry 56). The point is that eager calls, CUDA-graph replays
-and ``torch.compile`` all run these same kernels (``flashcore/layer_ops.py``), so they give the same bits.
+the ``exp``/``rsqrt`` implementations; the RoPE's products and sums are HF's to the bit (:func:`rotate_halves`). The
+point is that eager calls, CUDA-graph replays and ``torch.compile`` all run these same kernels
+(``flashcore/layer_ops.py``), so they give the same bits.
 
 All three launch with programmatic dependent launch where flashcore's attention kernel does: a launch may start
 while the previous kernel drains, and ``gdc_wait`` holds every memory access until that kernel's writes are visible.
@@ -20,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, libdevice
 
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 
@@ -95,15 +94,26 @@ def silu_and_mul(gate, up):
 
 
 @triton.jit
-def _rotate_head(x_ptr, out_ptr, cos_lo, cos_hi, sin_lo, sin_hi, offs, mask, HALF: tl.constexpr):
-    """``x * cos + rotate_half(x) * sin`` for one head, each product rounded to the dtype as in HF's eager code."""
-    dtype = out_ptr.dtype.element_ty
-    lo = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    hi = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    out_lo = (lo * cos_lo).to(dtype).to(tl.float32) + (-hi * sin_lo).to(dtype).to(tl.float32)
-    out_hi = (hi * cos_hi).to(dtype).to(tl.float32) + (lo * sin_hi).to(dtype).to(tl.float32)
-    tl.store(out_ptr + offs, out_lo.to(dtype), mask=mask)
-    tl.store(out_ptr + HALF + offs, out_hi.to(dtype), mask=mask)
+def rotate_halves(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, EXACT: tl.constexpr):
+    """``x * cos + rotate_half(x) * sin`` for the two halves of heads (``lo``, ``hi``: in the dtype; cos and sin in
+    fp32), each product and the sum rounded to the dtype as in HF's eager code; returns ``(out_lo, out_hi)`` in the
+    dtype. The GEMV that folds the RoPE in (``gemv.py``) uses it too, to the same bits.
+
+    ``EXACT`` (on the GPU): the products and sums as ``mul.rn``/``add.rn`` (libdevice's ``mul_rn``/``add_rn``),
+    which the compiler never contracts. Written as ``*`` and ``+``, it fused a product and the sum after it into one
+    FMA on the H100, in bf16 too (after narrowing both to bf16 ops), and an output could differ by an ulp from HF's
+    (NOTES.md, entry 56). The interpreter, which has no libdevice, runs numpy's separate ``*`` and ``+``."""
+    dtype = lo.dtype
+    lo, hi = lo.to(tl.float32), hi.to(tl.float32)
+    if EXACT:
+        lo_cos, hi_sin = libdevice.mul_rn(lo, cos_lo).to(dtype), libdevice.mul_rn(-hi, sin_lo).to(dtype)
+        hi_cos, lo_sin = libdevice.mul_rn(hi, cos_hi).to(dtype), libdevice.mul_rn(lo, sin_hi).to(dtype)
+        out_lo = libdevice.add_rn(lo_cos.to(tl.float32), hi_sin.to(tl.float32))
+        out_hi = libdevice.add_rn(hi_cos.to(tl.float32), lo_sin.to(tl.float32))
+    else:
+        out_lo = (lo * cos_lo).to(dtype).to(tl.float32) + (-hi * sin_lo).to(dtype).to(tl.float32)
+        out_hi = (hi * cos_hi).to(dtype).to(tl.float32) + (lo * sin_hi).to(dtype).to(tl.float32)
+    return out_lo.to(dtype), out_hi.to(dtype)
 
 
 @triton.jit
@@ -127,6 +137,7 @@ def _rotary_embedding_kernel(
     num_kv_heads,
     HALF: tl.constexpr,  # D / 2
     HALF_PAD: tl.constexpr,
+    EXACT: tl.constexpr,  # see rotate_halves
     USE_PDL: tl.constexpr,
 ):
     """One program per (batch, token, head); heads ``[0, H_q)`` are query heads, the next ``H_kv`` key heads."""
@@ -146,12 +157,15 @@ def _rotary_embedding_kernel(
     if head < num_q_heads:
         x_ptr = q_ptr + batch * stride_q_b + head * stride_q_h + token * stride_q_s
         out_ptr = q_out_ptr + ((batch * num_tokens + token) * num_q_heads + head) * (2 * HALF)
-        _rotate_head(x_ptr, out_ptr, cos_lo, cos_hi, sin_lo, sin_hi, offs, mask, HALF)
     else:
         kv_head = head - num_q_heads
         x_ptr = k_ptr + batch * stride_k_b + kv_head * stride_k_h + token * stride_k_s
         out_ptr = k_out_ptr + ((batch * num_tokens + token) * num_kv_heads + kv_head) * (2 * HALF)
-        _rotate_head(x_ptr, out_ptr, cos_lo, cos_hi, sin_lo, sin_hi, offs, mask, HALF)
+    lo = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    hi = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0)
+    out_lo, out_hi = rotate_halves(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, EXACT)
+    tl.store(out_ptr + offs, out_lo, mask=mask)
+    tl.store(out_ptr + HALF + offs, out_hi, mask=mask)
 
 
 _launch_rms_norm = CachedLauncher(_rms_norm_kernel)
@@ -214,10 +228,9 @@ def rotary_embedding_triton(
             cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
             num_tokens, num_q_heads, num_kv_heads,
         ),
-        dict(HALF=half, HALF_PAD=triton.next_power_of_2(half), USE_PDL=use_pdl),
+        dict(HALF=half, HALF_PAD=triton.next_power_of_2(half), EXACT=query.is_cuda, USE_PDL=use_pdl),
         num_warps=1 if head_dim <= 128 else 2,
         num_stages=1,
         launch_pdl=use_pdl,
-        fp_fusion=False,  # see the module docstring
     )  # fmt: skip
     return query_out.transpose(1, 2), key_out.transpose(1, 2)
