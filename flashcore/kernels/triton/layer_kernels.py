@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait, libdevice
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 
@@ -94,22 +94,31 @@ def silu_and_mul(gate, up):
 
 
 @triton.jit
+def _ptx_f32(OP: tl.constexpr, a, b):
+    """``a OP b`` in fp32 as one PTX instruction rounded to nearest (``mul.rn.f32``, ``add.rn.f32``)."""
+    return tl.inline_asm_elementwise(
+        f"{OP}.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+    )
+
+
+@triton.jit
 def rotate_halves(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, EXACT: tl.constexpr):
     """``x * cos + rotate_half(x) * sin`` for the two halves of heads (``lo``, ``hi``: in the dtype; cos and sin in
     fp32), each product and the sum rounded to the dtype as in HF's eager code; returns ``(out_lo, out_hi)`` in the
     dtype. The GEMV that folds the RoPE in (``gemv.py``) uses it too, to the same bits.
 
-    ``EXACT`` (on the GPU): the products and sums as ``mul.rn``/``add.rn`` (libdevice's ``mul_rn``/``add_rn``),
-    which the compiler never contracts. Written as ``*`` and ``+``, it fused a product and the sum after it into one
-    FMA on the H100, in bf16 too (after narrowing both to bf16 ops), and an output could differ by an ulp from HF's
-    (NOTES.md, entry 56). The interpreter, which has no libdevice, runs numpy's separate ``*`` and ``+``."""
+    ``EXACT`` (on the GPU): the products and sums as PTX ``mul.rn.f32``/``add.rn.f32``, which the compiler never
+    contracts. Written as ``*`` and ``+``, they became ``fma.rn.bf16x2`` on the H100 (each product and the sum after
+    it narrowed to bf16 and fused), and an output could differ by an ulp from HF's (NOTES.md, entry 56); libdevice's
+    ``mul_rn`` compiles to ``mul.rn.ftz``, which flushes subnormals. The interpreter, which runs no PTX, computes
+    numpy's separate ``*`` and ``+``."""
     dtype = lo.dtype
     lo, hi = lo.to(tl.float32), hi.to(tl.float32)
     if EXACT:
-        lo_cos, hi_sin = libdevice.mul_rn(lo, cos_lo).to(dtype), libdevice.mul_rn(-hi, sin_lo).to(dtype)
-        hi_cos, lo_sin = libdevice.mul_rn(hi, cos_hi).to(dtype), libdevice.mul_rn(lo, sin_hi).to(dtype)
-        out_lo = libdevice.add_rn(lo_cos.to(tl.float32), hi_sin.to(tl.float32))
-        out_hi = libdevice.add_rn(hi_cos.to(tl.float32), lo_sin.to(tl.float32))
+        lo_cos, hi_sin = _ptx_f32("mul", lo, cos_lo).to(dtype), _ptx_f32("mul", -hi, sin_lo).to(dtype)
+        hi_cos, lo_sin = _ptx_f32("mul", hi, cos_hi).to(dtype), _ptx_f32("mul", lo, sin_hi).to(dtype)
+        out_lo = _ptx_f32("add", lo_cos.to(tl.float32), hi_sin.to(tl.float32))
+        out_hi = _ptx_f32("add", hi_cos.to(tl.float32), lo_sin.to(tl.float32))
     else:
         out_lo = (lo * cos_lo).to(dtype).to(tl.float32) + (-hi * sin_lo).to(dtype).to(tl.float32)
         out_hi = (hi * cos_hi).to(dtype).to(tl.float32) + (lo * sin_hi).to(dtype).to(tl.float32)
