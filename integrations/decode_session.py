@@ -134,11 +134,12 @@ class DecodeSession:
         # run, then (graph, outputs). See _run_step.
         self._graphs: dict[tuple, object] = {}
         # fullgraph: a graph break would put Python between kernels that the capture cannot replay. The default
-        # mode, because the session captures the CUDA graph itself.
-        self._next_token = (
-            torch.compile(self._next_token_eager, fullgraph=True, dynamic=False, options=_inductor_options(device))
+        # mode, because the session captures the CUDA graph itself. The whole step, its bookkeeping too: inductor
+        # fuses the position and text updates, ten small eager kernels otherwise (NOTES.md, entry 56).
+        self._step = (
+            torch.compile(self._step_eager, fullgraph=True, dynamic=False, options=_inductor_options(device))
             if compile
-            else self._next_token_eager
+            else self._step_eager
         )
         self._draft_backoff = 0  # plain steps speculative_step takes before it drafts again
         self._failed_verifies = 0  # verify steps in a row that kept no draft
@@ -321,11 +322,15 @@ class DecodeSession:
         self._draft_backoff = self._failed_verifies = 0
         self._drafts_for = None
 
-    def _step(self) -> None:
+    def _step_eager(self) -> None:
+        """One decode step on the session's buffers: the next token, the positions, the text (``self._step``
+        runs it, compiled with ``compile=True``)."""
         self.token.copy_(self._next_token(self.token, self._position, self._cache_position))
         self._position.add_(1)
         self._cache_position.add_(1)
-        self._append_history(self.token[:, None], torch.ones_like(self._history_len))
+        width = self._history.shape[1]  # _append_history of one token, in four kernels instead of seven
+        self._history.scatter_(1, self._history_len.clamp(max=width - 1)[:, None], self.token[:, None])
+        self._history_len.add_(1).clamp_(max=width)
 
     def _append_history(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
         """Appends each row's first ``counts[b]`` of ``tokens [B, n]`` to its text (the rest lands past its end,
@@ -335,9 +340,7 @@ class DecodeSession:
         self._history.scatter_(1, index, tokens)
         self._history_len.add_(counts).clamp_(max=width)
 
-    def _next_token_eager(
-        self, token: torch.Tensor, position: torch.Tensor, cache_position: torch.Tensor
-    ) -> torch.Tensor:
+    def _next_token(self, token: torch.Tensor, position: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
         logits = self.model(
             input_ids=token[:, None],
             position_ids=position,
