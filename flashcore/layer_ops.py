@@ -133,7 +133,6 @@ def gemv(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     rotated: int | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a single row of ``x``: a decode step's projection at batch 1.
 
@@ -155,10 +154,6 @@ def gemv(
             (:func:`gemv_can_rotate`).
         sin: like ``cos``; both or neither.
         rotated: a multiple of D in ``(0, N]``; None: N. Used only with ``cos``.
-        prefetch: a contiguous tensor on ``x``'s device, or None: the GEMV starts loading it into the GPU's L2 cache
-            once its outputs are written, without waiting for it. The q/k/v projection passes the o projection's
-            weight, which then loads while the attention runs. A hint: it changes no result, and the CPU (the
-            Triton interpreter) ignores it.
 
     Returns:
         A new contiguous ``[..., N]`` tensor of ``x``'s dtype: the products summed in fp32, plus the bias, rounded
@@ -176,22 +171,13 @@ def gemv(
         if not eps >= 0:
             raise ValueError(f"eps must be >= 0, got {eps!r}")
     cos, sin, rotated = _check_rotary(x, weight.shape[0], cos, sin, rotated)
-    if prefetch is not None:
-        if not isinstance(prefetch, torch.Tensor) or prefetch.device != x.device or not prefetch.is_contiguous():
-            what = (
-                f"{prefetch.device}, contiguous={prefetch.is_contiguous()}"
-                if isinstance(prefetch, torch.Tensor)
-                else type(prefetch).__name__
-            )
-            raise ValueError(f"prefetch must be a contiguous tensor on x's device {x.device} or None, got {what}")
     if torch.compiler.is_compiling():
         out = row.new_empty(weight.shape[:1])
-        torch.ops.flashcore.gemv(row, weight, bias, residual, norm_weight, float(eps), cos, sin, rotated, prefetch, out)
+        torch.ops.flashcore.gemv(row, weight, bias, residual, norm_weight, float(eps), cos, sin, rotated, out)
     else:
         out = gemv_kernels.gemv_triton(
-            row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, cos=cos, sin=sin,
-            rotated=rotated, prefetch=prefetch,
-        )  # fmt: skip
+            row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, cos=cos, sin=sin, rotated=rotated
+        )
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -385,7 +371,6 @@ def _gemv_op(
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     rotated: int,
-    prefetch: torch.Tensor | None,
     out: torch.Tensor,
 ) -> None:
     vectors = dict(residual=residual, cos=cos, sin=sin, out=out)
@@ -393,7 +378,7 @@ def _gemv_op(
     with on_device_of(row):
         gemv_kernels.gemv_triton(
             row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, cos=cos, sin=sin,
-            rotated=rotated, prefetch=prefetch, out=out,
+            rotated=rotated, out=out,
         )  # fmt: skip
 
 

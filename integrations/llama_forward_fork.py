@@ -94,9 +94,7 @@ def attention_forward(
 
     cos, sin = position_embeddings
     rotary = (cos, sin) if layer_ops.gemv_can_rotate(self.head_dim) else None
-    projected, rotated = _project(
-        self, hidden_states, ("q_proj", "k_proj", "v_proj"), norm, rotary=rotary, prefetch=self.o_proj
-    )
+    projected, rotated = _project(self, hidden_states, ("q_proj", "k_proj", "v_proj"), norm, rotary=rotary)
     query_states, key_states, value_states = (states.view(hidden_shape).transpose(1, 2) for states in projected)
 
     if not rotated:
@@ -143,12 +141,10 @@ def _project(
     names: tuple[str, ...],
     norm: torch.nn.Module | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-    prefetch: torch.nn.Module | None = None,
 ) -> tuple[tuple[torch.Tensor, ...], bool]:
     """``(outputs, rotated)``: the projections ``names`` of ``module`` applied to ``x``, or to ``norm(x)`` where a
     norm is given; ``rotated`` says whether the first two (q and k) also got the rotary embedding ``rotary``
-    (``(cos, sin)``, or None). ``prefetch``: the linear that runs next on the GEMV (the o projection after the
-    attention), whose weight the last GEMV starts loading into L2 (:func:`flashcore.layer_ops.gemv`).
+    (``(cos, sin)``, or None).
 
     Through the fused GEMM where the module has one (``names`` are then the ones it fused). On flashcore's one-row
     GEMV where :func:`_runs_gemv` and every projection is the fused one or a plain ``nn.Linear``: no hooks (tensor
@@ -164,17 +160,16 @@ def _project(
         return (fused(x) if fused is not None else tuple(linear(x) for linear in linears)), False
     folded = {} if norm is None else dict(norm_weight=norm.weight, eps=norm.variance_epsilon)
     rotation = {} if rotary is None else dict(cos=rotary[0], sin=rotary[1])
-    ahead = prefetch.weight if prefetch is not None and _is_plain_linear(prefetch) else None
     if fused is not None:
         if rotary is not None:
             rotation["rotated"] = sum(fused.out_features[:2])  # the q and k rows of q/k/v
-        out = layer_ops.gemv(x, fused.weight, fused.bias, **folded, **rotation, prefetch=ahead)
+        out = layer_ops.gemv(x, fused.weight, fused.bias, **folded, **rotation)
         return out.split(fused.out_features, dim=-1), rotary is not None
-    outputs = []
-    for i, linear in enumerate(linears):  # q, k, v: q and k rotated, the last one prefetching
-        extra = dict(rotation if i < 2 else {}, prefetch=ahead if i == len(linears) - 1 else None)
-        outputs.append(layer_ops.gemv(x, linear.weight, linear.bias, **folded, **extra))
-    return tuple(outputs), rotary is not None
+    outputs = tuple(
+        layer_ops.gemv(x, linear.weight, linear.bias, **folded, **(rotation if i < 2 else {}))
+        for i, linear in enumerate(linears)
+    )
+    return outputs, rotary is not None
 
 
 def _project_residual(

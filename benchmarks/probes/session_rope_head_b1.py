@@ -1,5 +1,4 @@
-"""Issue 29: what the RoPE inside the q/k/v GEMV, the LM head on the GEMV and an L2 prefetch of the o projection's
-weight save in a B=1 replayed step.
+"""Issue 29: what the RoPE inside the q/k/v GEMV and the LM head on the GEMV save in a B=1 replayed step.
 
 Since entry 56 a one-token step with ``layer_kernels=True`` computes the rotary embedding of q and k in the q/k/v
 GEMV's epilogue (no RoPE launch, and under ``torch.compile`` no per-layer cos/sin kernel of inductor's), and runs the
@@ -10,10 +9,7 @@ prompt, ``max_cache_len=2048``) in one process, the variants alternating over ``
 - ``separate``: RoPE on its own kernel (the fold switched off by making ``flashcore.layer_ops.gemv_can_rotate``
   answer False in this process) and the LM head on ``nn.Linear``'s forward (flashcore's head forward removed);
 - ``rope_folded``: the RoPE in the GEMV, the head as in ``separate``;
-- ``..._head_gemv``: the LM head on the GEMV;
-- ``..._prefetch``: the q/k/v GEMV also starts loading the o projection's weight into L2 when it is done, so that it
-  loads during the attention (the default; switched off by a wrapper of ``flashcore.layer_ops.gemv`` that drops
-  ``prefetch``);
+- ``..._head_gemv``: the LM head on the GEMV (the default);
 - ``..._compiled``: with ``compile=True``.
 
 Per variant: µs per replayed step (median over rounds of the median of 5 timings of 100 replays; the context grows
@@ -36,25 +32,22 @@ import harness  # noqa: E402
 
 from flashcore import layer_ops  # noqa: E402
 
-VARIANTS = {  # name: (compile, RoPE in the q/k/v GEMV, LM head on the GEMV, the o weight prefetched)
-    "separate": (False, False, False, False),
-    "rope_folded": (False, True, False, False),
-    "separate_head_gemv": (False, False, True, False),
-    "rope_folded_head_gemv": (False, True, True, False),
-    "rope_folded_head_gemv_prefetch": (False, True, True, True),
+VARIANTS = {  # name: (compile, RoPE in the q/k/v GEMV, LM head on the GEMV)
+    "separate": (False, False, False),
+    "rope_folded": (False, True, False),
+    "separate_head_gemv": (False, False, True),
+    "rope_folded_head_gemv": (False, True, True),
 }
 VARIANTS |= {f"{name}_compiled": (True, *switches[1:]) for name, switches in VARIANTS.items()}
 REPLAYS, TIMINGS, TOKENS = 100, 5, 32
 
 
-def timed_session(model, input_ids, compile: bool, rope_folded: bool, head_gemv: bool, prefetch: bool) -> dict:
+def timed_session(model, input_ids, compile: bool, rope_folded: bool, head_gemv: bool) -> dict:
     from flashcore.integrations.decode_session import DecodeSession
 
-    gemv_can_rotate, gemv = layer_ops.gemv_can_rotate, layer_ops.gemv
+    gemv_can_rotate = layer_ops.gemv_can_rotate
     if not rope_folded:
         layer_ops.gemv_can_rotate = lambda head_dim: False
-    if not prefetch:
-        layer_ops.gemv = lambda *args, prefetch=None, **kwargs: gemv(*args, **kwargs)
     options = dict(compile=compile, fuse_projections=True, layer_kernels=True)
     session = DecodeSession(model, max_cache_len=2048, batch_size=input_ids.shape[0], **options)
     head = model.get_output_embeddings()
@@ -64,7 +57,7 @@ def timed_session(model, input_ids, compile: bool, rope_folded: bool, head_gemv:
         tokens += [session.decode_step().clone() for _ in range(TOKENS - 1)]  # eager warm-up, capture, replays
         timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, REPLAYS, TIMINGS)]
     finally:
-        layer_ops.gemv_can_rotate, layer_ops.gemv = gemv_can_rotate, gemv
+        layer_ops.gemv_can_rotate = gemv_can_rotate
         if head_forward is not None:
             head.forward = head_forward
     return {"us_per_step": statistics.median(timings), "tokens": torch.stack(tokens, 1)[0].tolist()}

@@ -93,14 +93,12 @@ def _gemv_kernel(
     residual_ptr,  # [N]; read only when HAS_RESIDUAL
     cos_ptr,  # [D]; read only when ROTARY
     sin_ptr,  # [D]; read only when ROTARY
-    prefetch_ptr,  # bytes to start loading into L2 at the end; used only when PREFETCH
     out_ptr,  # [N]
     n,
     k,
     stride_weight_n,
     eps,  # the norm's; used only when NORM
     rotated,  # outputs [0, rotated) are heads of D = 2 * HALF to rotate; used only when ROTARY
-    prefetch_bytes,  # a multiple of 16; used only when PREFETCH
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWIGLU: tl.constexpr,
@@ -110,7 +108,6 @@ def _gemv_kernel(
     ROTARY: tl.constexpr,
     HALF: tl.constexpr,  # D / 2; used only when ROTARY
     EXACT_ROTARY: tl.constexpr,  # layer_kernels.rotate_halves' EXACT
-    PREFETCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -152,23 +149,6 @@ def _gemv_kernel(
         residual = tl.load(residual_ptr + offs_n, mask=mask_n, other=0.0)
         out = (out.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_n, out, mask=mask_n)
-    if PREFETCH:
-        _prefetch_l2(prefetch_ptr, prefetch_bytes)
-
-
-@triton.jit
-def _prefetch_l2(ptr, nbytes):
-    """Starts loading this program's share of the ``nbytes`` at the byte pointer ``ptr`` into L2: one bulk prefetch
-    (PTX's ``cp.async.bulk.prefetch.L2``, sm_90), issued by the program's first thread, nothing waited for."""
-    share = tl.cdiv(tl.cdiv(nbytes, tl.num_programs(0)), 16) * 16
-    start = tl.program_id(0).to(tl.int64) * share
-    size = tl.minimum(tl.maximum(nbytes - start, 0), share).to(tl.int32)
-    address = tl.full([1], 0, tl.int64) + (ptr + start).to(tl.int64, bitcast=True)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.ne.and.u32 p, $2, 0, p;"
-        " @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [address, tl.full([1], 0, tl.int32) + size], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
 
 
 _launch_gemv = CachedLauncher(_gemv_kernel)
@@ -213,39 +193,33 @@ def gemv_triton(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     rotated: int = 0,
-    prefetch: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` ``[K]`` contiguous, ``weight`` ``[N, K]`` with unit stride along K, ``bias`` ``[N]`` or None; returns
     ``out`` (``[N]`` contiguous of ``x``'s dtype; a new one if None). With ``up`` (``[K]`` contiguous) the input is
     ``silu(x) * up``; with ``norm_weight`` (``[K]``) it is ``rms_norm(x, norm_weight, eps)``; with ``residual``
     (``[N]`` contiguous) that is added to the output; with ``cos`` and ``sin`` (``[D]`` contiguous) the outputs
-    ``[0, rotated)``, heads of D with ``rotated`` a multiple of D and D of ``2 * block_n``, get the rotary embedding;
-    ``prefetch`` (contiguous; on Hopper and later, where the kernels launch with PDL, ignored elsewhere) starts
-    loading into L2 after the outputs are written. ``config`` overrides :func:`gemv_config` (probes sweep it)."""
+    ``[0, rotated)``, heads of D with ``rotated`` a multiple of D and D of ``2 * block_n``, get the rotary embedding.
+    ``config`` overrides :func:`gemv_config` (probes sweep it)."""
     n, k = weight.shape
     if out is None:
         out = torch.empty(n, dtype=x.dtype, device=x.device)
     config = config or gemv_config(n, k, whole_row=norm_weight is not None)
     use_pdl = uses_programmatic_launch(x.device)
     unused = out  # stands in for the pointers the constexpr switches keep the kernel from reading
-    if not use_pdl:
-        prefetch = None  # a cache hint in inline PTX of sm_90, which the interpreter and older GPUs do not run
-    prefetch_bytes = prefetch.numel() * prefetch.element_size() // 16 * 16 if prefetch is not None else 0
     _launch_gemv(
         (triton.cdiv(n, config["block_n"]), 1, 1),
         (
             x, up if up is not None else unused, norm_weight if norm_weight is not None else unused, weight,
             bias if bias is not None else unused, residual if residual is not None else unused,
-            cos if cos is not None else unused, sin if sin is not None else unused,
-            prefetch.view(torch.uint8) if prefetch is not None else unused, out, n, k, weight.stride(0), float(eps),
-            rotated, prefetch_bytes,
+            cos if cos is not None else unused, sin if sin is not None else unused, out, n, k, weight.stride(0),
+            float(eps), rotated,
         ),
         dict(
             BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], SWIGLU=up is not None,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
             ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, EXACT_ROTARY=x.is_cuda,
-            PREFETCH=prefetch is not None, USE_PDL=use_pdl,
+            USE_PDL=use_pdl,
         ),
         num_warps=config["num_warps"],
         num_stages=1,
