@@ -380,6 +380,20 @@ def ms_per_call_repeated(call: Callable[[], object], calls: int, trials: int) ->
     return timings
 
 
+def session_steps(model, input_ids: torch.Tensor, **options) -> dict:
+    """The B=1 session probes' measurement of one variant: a fresh ``DecodeSession(model, max_cache_len=2048,
+    **options)`` over ``input_ids``' rows gives 32 greedy tokens (the prefill's, an eager warm-up step, the capture,
+    replays), then 5 timings of 100 replayed steps (the context grows by 500 tokens over them). Returns
+    ``{"us_per_step": the median timing, "tokens": row 0's tokens}``, a run for :func:`alternating_step_rounds`."""
+    from flashcore.integrations.decode_session import DecodeSession
+
+    session = DecodeSession(model, max_cache_len=2048, batch_size=input_ids.shape[0], **options)
+    tokens = [session.prefill(input_ids).clone()]
+    tokens += [session.decode_step().clone() for _ in range(31)]
+    timings = [1e3 * ms for ms in ms_per_call_repeated(session.decode_step, 100, 5)]
+    return {"us_per_step": statistics.median(timings), "tokens": torch.stack(tokens, 1)[0].tolist()}
+
+
 def session_probe_main(doc: str, variants: dict, timed_session: Callable[..., dict], reference: str) -> None:
     """The main of the B=1 session probes (``probes/session_*_b1.py``): ``--out``, ``--rounds``, ``--variants``;
     ``bench_generate``'s model (the Llama-3.2-1B shape, bf16) and a random 512-token prompt on the GPU; then

@@ -23,11 +23,8 @@ sums its squares in another order, so an input may round the other way; None: al
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,26 +40,18 @@ VARIANTS = {  # name: (compile, fold the norm, gemv_config's whole_row for the f
     "norm_kernel_compiled": (True, False, True),
     "folded_whole_row_compiled": (True, True, True),
 }
-REPLAYS, TIMINGS, TOKENS = 100, 5, 32
 
 
 def timed_session(model, input_ids, compile: bool, fold: bool, whole_row: bool) -> dict:
-    from flashcore.integrations.decode_session import DecodeSession
-
     runs_kernel_norm, gemv_config = layer_kernels.runs_kernel_norm, gemv_kernels.gemv_config
     if not fold:
         layer_kernels.runs_kernel_norm = lambda norm: False
     if not whole_row:
         gemv_kernels.gemv_config = lambda n, k, whole_row=False: gemv_config(n, k)
     try:
-        options = dict(compile=compile, fuse_projections=True, layer_kernels=True)
-        session = DecodeSession(model, max_cache_len=2048, batch_size=input_ids.shape[0], **options)
-        tokens = [session.prefill(input_ids).clone()]
-        tokens += [session.decode_step().clone() for _ in range(TOKENS - 1)]  # eager warm-up, capture, replays
-        timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, REPLAYS, TIMINGS)]
+        return harness.session_steps(model, input_ids, compile=compile, fuse_projections=True, layer_kernels=True)
     finally:
         layer_kernels.runs_kernel_norm, gemv_kernels.gemv_config = runs_kernel_norm, gemv_config
-    return {"us_per_step": statistics.median(timings), "tokens": torch.stack(tokens, 1)[0].tolist()}
 
 
 def main() -> None:

@@ -22,11 +22,9 @@ in another order than cuBLAS, so a near-tie may go the other way; None: all equa
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
 
-import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -42,23 +40,16 @@ VARIANTS = {  # name: (session options, GEMV on)
     "kernels_compiled_cublas": (dict(compile=True, fuse_projections=True, layer_kernels=True), False),
     "kernels_compiled_gemv": (dict(compile=True, fuse_projections=True, layer_kernels=True), True),
 }
-REPLAYS, TIMINGS, TOKENS = 100, 5, 32
 
 
 def timed_session(model, input_ids, options: dict, gemv_on: bool) -> dict:
-    from flashcore.integrations.decode_session import DecodeSession
-
     gemv = layer_ops.gemv
     if not gemv_on:
         layer_ops.gemv = lambda x, weight, bias=None: F.linear(x, weight, bias)
     try:
-        session = DecodeSession(model, max_cache_len=2048, batch_size=input_ids.shape[0], **options)
-        tokens = [session.prefill(input_ids).clone()]
-        tokens += [session.decode_step().clone() for _ in range(TOKENS - 1)]  # eager warm-up, capture, replays
-        timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, REPLAYS, TIMINGS)]
+        return harness.session_steps(model, input_ids, **options)
     finally:
         layer_ops.gemv = gemv
-    return {"us_per_step": statistics.median(timings), "tokens": torch.stack(tokens, 1)[0].tolist()}
 
 
 def main() -> None:

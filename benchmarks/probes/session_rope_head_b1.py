@@ -20,17 +20,15 @@ by 500 tokens over them), and the first step where its 32 greedy tokens part fro
 
 from __future__ import annotations
 
-import statistics
 import sys
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
 from flashcore import layer_ops  # noqa: E402
+from flashcore.integrations.llama import apply_flashcore_to_llama  # noqa: E402
 
 VARIANTS = {  # name: (compile, RoPE in the q/k/v GEMV, LM head on the GEMV)
     "separate": (False, False, False),
@@ -39,28 +37,21 @@ VARIANTS = {  # name: (compile, RoPE in the q/k/v GEMV, LM head on the GEMV)
     "rope_folded_head_gemv": (False, True, True),
 }
 VARIANTS |= {f"{name}_compiled": (True, *switches[1:]) for name, switches in VARIANTS.items()}
-REPLAYS, TIMINGS, TOKENS = 100, 5, 32
 
 
 def timed_session(model, input_ids, compile: bool, rope_folded: bool, head_gemv: bool) -> dict:
-    from flashcore.integrations.decode_session import DecodeSession
-
-    gemv_can_rotate = layer_ops.gemv_can_rotate
+    options = dict(fuse_projections=True, layer_kernels=True)
+    apply_flashcore_to_llama(model, **options)  # the head's forward set now, so that a session does not set it again
+    gemv_can_rotate, head = layer_ops.gemv_can_rotate, model.get_output_embeddings()
+    head_forward = head.__dict__.pop("forward") if not head_gemv else None
     if not rope_folded:
         layer_ops.gemv_can_rotate = lambda head_dim: False
-    options = dict(compile=compile, fuse_projections=True, layer_kernels=True)
-    session = DecodeSession(model, max_cache_len=2048, batch_size=input_ids.shape[0], **options)
-    head = model.get_output_embeddings()
-    head_forward = head.__dict__.pop("forward") if not head_gemv else None
     try:
-        tokens = [session.prefill(input_ids).clone()]
-        tokens += [session.decode_step().clone() for _ in range(TOKENS - 1)]  # eager warm-up, capture, replays
-        timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, REPLAYS, TIMINGS)]
+        return harness.session_steps(model, input_ids, compile=compile, **options)
     finally:
         layer_ops.gemv_can_rotate = gemv_can_rotate
         if head_forward is not None:
             head.forward = head_forward
-    return {"us_per_step": statistics.median(timings), "tokens": torch.stack(tokens, 1)[0].tolist()}
 
 
 def main() -> None:
