@@ -224,9 +224,8 @@ def silu_and_mul_gemv(
 def _check_rotary(
     x: torch.Tensor, n: int, cos: torch.Tensor | None, sin: torch.Tensor | None, rotated: int | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-    """Checks the GEMV's rotary embedding; returns ``cos``, ``sin`` (as given: a view of them would be one more
-    buffer per layer under ``torch.compile``) and ``rotated`` as an int
-    (0 without them)."""
+    """Checks the GEMV's rotary embedding; returns ``cos`` and ``sin`` as given (a view of them would be one more
+    buffer per layer under ``torch.compile``) and ``rotated`` as an int (0 without them)."""
     if cos is None and sin is None:
         return None, None, 0
     if cos is None or sin is None:

@@ -52,7 +52,7 @@ def check_supported(model: torch.nn.Module) -> None:
 
 
 def enable(model: torch.nn.Module) -> None:
-    """Norm forwards on the kernel and the switches on, in place.
+    """Norm forwards on the kernel, the LM head's on the GEMV and the switches on, in place.
 
     Where the model has no ``generation_config.compile_config`` of its own, it gets one for generate's automatic
     compile: HF's default (CUDA graphs) plus inductor's ``emulate_precision_casts``, without which inductor fuses a

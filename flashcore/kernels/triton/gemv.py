@@ -173,7 +173,7 @@ def gemv_config(n: int, k: int, whole_row: bool = False) -> dict:
     if whole_row and k <= 4096:
         block_k = triton.next_power_of_2(k)
         num_warps = min(16, max(4, block_k // 256))
-        # At 8 warps, two programs per SM need <= 128 registers a thread, which the RoPE epilogue passes
+        # At 8 warps, two programs per SM need <= 128 registers a thread, which the RoPE epilogue would exceed
         # (161 on the H100's triton 3.6: one program per SM, the q/k/v GEMV in three waves; entry 56).
         return dict(block_n=BLOCK_N, block_k=block_k, num_warps=num_warps, maxnreg=128 if num_warps == 8 else None)
     block_k = min(triton.next_power_of_2(k), 1024 if k <= 2048 else 2048)
@@ -198,8 +198,9 @@ def gemv_triton(
     """``x`` ``[K]`` contiguous, ``weight`` ``[N, K]`` with unit stride along K, ``bias`` ``[N]`` or None; returns
     ``out`` (``[N]`` contiguous of ``x``'s dtype; a new one if None). With ``up`` (``[K]`` contiguous) the input is
     ``silu(x) * up``; with ``norm_weight`` (``[K]``) it is ``rms_norm(x, norm_weight, eps)``; with ``residual``
-    (``[N]`` contiguous) that is added to the output; with ``cos`` and ``sin`` (``[D]`` contiguous) the outputs
-    ``[0, rotated)``, heads of D with ``rotated`` a multiple of D and D of ``2 * block_n``, get the rotary embedding.
+    (``[N]`` contiguous) that is added to the output; with ``cos`` and ``sin`` (one row of D each, unit stride) the
+    outputs ``[0, rotated)``, heads of D with ``rotated`` a multiple of D and D of ``block_n``, get the rotary
+    embedding.
     ``config`` overrides :func:`gemv_config` (probes sweep it)."""
     n, k = weight.shape
     if out is None:
