@@ -328,16 +328,17 @@ class DecodeSession:
         self.token.copy_(self._next_token(self.token, self._position, self._cache_position))
         self._position.add_(1)
         self._cache_position.add_(1)
-        width = self._history.shape[1]  # _append_history of one token, in four kernels instead of seven
-        self._history.scatter_(1, self._history_len.clamp(max=width - 1)[:, None], self.token[:, None])
-        self._history_len.add_(1).clamp_(max=width)
+        self._append_history(self.token[:, None], 1)
 
-    def _append_history(self, tokens: torch.Tensor, counts: torch.Tensor) -> None:
+    def _append_history(self, tokens: torch.Tensor, counts: torch.Tensor | int) -> None:
         """Appends each row's first ``counts[b]`` of ``tokens [B, n]`` to its text (the rest lands past its end,
-        where it is ignored); device tensor work only, so a captured step can do it."""
+        where it is ignored); device tensor work only, so a captured step can do it. One token with ``counts=1``,
+        a decode step's, takes four kernels."""
         width = self._history.shape[1]
-        index = (self._history_len[:, None] + torch.arange(tokens.shape[1], device=tokens.device)).clamp(max=width - 1)
-        self._history.scatter_(1, index, tokens)
+        index = self._history_len[:, None]
+        if tokens.shape[1] > 1:
+            index = index + torch.arange(tokens.shape[1], device=tokens.device)
+        self._history.scatter_(1, index.clamp(max=width - 1), tokens)
         self._history_len.add_(counts).clamp_(max=width)
 
     def _next_token(self, token: torch.Tensor, position: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:

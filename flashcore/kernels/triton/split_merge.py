@@ -129,7 +129,7 @@ def _merge_kv_splits_kernel(
         # A PDL launch after this one (the next decode call, or a GEMV) may then launch while the merge runs, and
         # wait in its own gdc_wait, so that its launch latency hides behind the merge (faster on the H100's B1 split
         # decode rows, L <= 4k; benchmarks/NOTES.md, entry 34). Released before the wait instead, a B=1 step's o
-        # GEMV launched during the decode kernel and the step took 11-12 µs longer (entry 56).
+        # GEMV launched during the decode kernel and the step took 3-12 µs longer (entry 56).
         gdc_launch_dependents()
     _merge_kv_splits(
         partial_out_ptr, partial_lse_ptr, out_ptr, rows, tl.full([1], 1, tl.int1), num_splits,
