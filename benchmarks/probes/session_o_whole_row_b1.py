@@ -1,4 +1,4 @@
-"""Issue 29: whether the o projection's GEMV on whole-row tiles saves time in a B=1 replayed step.
+"""Issue 29: the GEMVs around the attention call in a B=1 replayed step: their tiles, and when the o GEMV launches.
 
 The o projection (``[2048, 2048]`` on the Llama-3.2-1B shape, with the residual add) runs on ``gemv_config``'s tiles
 for K 2048 without the norm: 8 rows a program, K in two steps of 1024 at 4 warps, so each program loads half of its
@@ -13,6 +13,12 @@ process, the variants alternating over ``--rounds`` rounds:
 - ``o_whole_row``: every GEMV with ``n == k`` and no norm (only the o projection on this shape) on
   ``gemv_config(whole_row=True)``'s tiles: 8 x 2048 at 8 warps, at most 128 registers a thread;
 - ``o_whole_row_4``: the same with 4 rows a program at 4 warps (512 programs, four an SM);
+- ``o_whole_row_merge_early``: ``o_whole_row``, and the split merge releasing the next launch before its wait
+  (``split_merge.RELEASE_BEFORE_WAIT``), so that the o GEMV launches while the decode kernel runs and loads its
+  weight then (entry 56 measured this release with the two-step tiles: slower);
+- ``qkv_two_steps``: the q/k/v GEMV (``whole_row`` and ``n <= 2 * k``: 3072 x 2048 here) on the tiles for K 2048
+  without the norm: K in two steps of 1024 at 4 warps, so that its 384 programs fit the SMs in one wave (at 8 warps
+  and 128 registers, two programs an SM, they take 1.45 waves), the row read twice;
 - ``..._compiled``: with ``compile=True``.
 
 Per variant: µs per replayed step (median over rounds of the median of 5 timings of 100 replays; the context grows
@@ -31,32 +37,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 
 from flashcore.kernels.triton import gemv as gemv_kernels  # noqa: E402
+from flashcore.kernels.triton import split_merge  # noqa: E402
 
-VARIANTS = {  # name: (compile, rows a program of the o GEMV on one K step, or 0 for gemv_config's tiles)
-    "default": (False, 0),
-    "o_whole_row": (False, 8),
-    "o_whole_row_4": (False, 4),
+VARIANTS = {  # name: (compile, rows a program of the o GEMV on one K step or 0, merge releases early, q/k/v tiles)
+    "default": (False, 0, False, False),
+    "o_whole_row": (False, 8, False, False),
+    "o_whole_row_4": (False, 4, False, False),
+    "o_whole_row_merge_early": (False, 8, True, False),
+    "qkv_two_steps": (False, 0, False, True),
 }
 VARIANTS |= {f"{name}_compiled": (True, *switches[1:]) for name, switches in VARIANTS.items()}
 
 
-def timed_session(model, input_ids, compile: bool, o_rows: int) -> dict:
+def timed_session(model, input_ids, compile: bool, o_rows: int, merge_early: bool, qkv_two_steps: bool) -> dict:
     gemv_config = gemv_kernels.gemv_config
 
-    def o_on_whole_rows(n: int, k: int, whole_row: bool = False) -> dict:
-        if whole_row or n != k:
+    def probed_config(n: int, k: int, whole_row: bool = False) -> dict:
+        if whole_row and n <= 2 * k and qkv_two_steps:
+            return gemv_config(n, k)
+        if whole_row or n != k or not o_rows:
             return gemv_config(n, k, whole_row)
         config = gemv_config(n, k, whole_row=True)
         if o_rows == 4:
             config = dict(config, block_n=4, num_warps=4, maxnreg=None)
         return config
 
-    if o_rows:
-        gemv_kernels.gemv_config = o_on_whole_rows
+    gemv_kernels.gemv_config = probed_config
+    split_merge.RELEASE_BEFORE_WAIT = merge_early
     try:
         return harness.session_steps(model, input_ids, compile=compile, fuse_projections=True, layer_kernels=True)
     finally:
         gemv_kernels.gemv_config = gemv_config
+        split_merge.RELEASE_BEFORE_WAIT = False
 
 
 def main() -> None:
