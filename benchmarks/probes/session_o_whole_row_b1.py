@@ -19,6 +19,11 @@ process, the variants alternating over ``--rounds`` rounds:
 - ``qkv_two_steps``: the q/k/v GEMV (``whole_row`` and ``n <= 2 * k``: 3072 x 2048 here) on the tiles for K 2048
   without the norm: K in two steps of 1024 at 4 warps, so that its 384 programs fit the SMs in one wave (at 8 warps
   and 128 registers, two programs an SM, they take 1.45 waves), the row read twice;
+- ``qkv_whole_row_80``: the q/k/v GEMV on its whole-row tiles at 80 registers a thread, three programs an SM: one
+  wave, the row read once (the accumulators and the weight tile may then spill);
+- ``gate_up_two_steps``: the same for the gate/up GEMV (``whole_row`` and ``n > 2 * k``; 2048 programs, 7.8 waves
+  at two an SM, 3.9 at four);
+- ``norm_two_steps``: both;
 - ``..._compiled``: with ``compile=True``.
 
 Per variant: µs per replayed step (median over rounds of the median of 5 timings of 100 replays; the context grows
@@ -39,22 +44,28 @@ import harness  # noqa: E402
 from flashcore.kernels.triton import gemv as gemv_kernels  # noqa: E402
 from flashcore.kernels.triton import split_merge  # noqa: E402
 
-VARIANTS = {  # name: (compile, rows a program of the o GEMV on one K step or 0, merge releases early, q/k/v tiles)
-    "default": (False, 0, False, False),
-    "o_whole_row": (False, 8, False, False),
-    "o_whole_row_4": (False, 4, False, False),
-    "o_whole_row_merge_early": (False, 8, True, False),
-    "qkv_two_steps": (False, 0, False, True),
+VARIANTS = {  # name: (compile, rows a program of the o GEMV on one K step or 0, merge releases early,
+    # the GEMVs with the norm on two K steps, or qkv_80)
+    "default": (False, 0, False, ""),
+    "o_whole_row": (False, 8, False, ""),
+    "o_whole_row_4": (False, 4, False, ""),
+    "o_whole_row_merge_early": (False, 8, True, ""),
+    "qkv_two_steps": (False, 0, False, "qkv"),
+    "qkv_whole_row_80": (False, 0, False, "qkv_80"),
+    "gate_up_two_steps": (False, 0, False, "gate_up"),
+    "norm_two_steps": (False, 0, False, "qkv,gate_up"),
 }
 VARIANTS |= {f"{name}_compiled": (True, *switches[1:]) for name, switches in VARIANTS.items()}
 
 
-def timed_session(model, input_ids, compile: bool, o_rows: int, merge_early: bool, qkv_two_steps: bool) -> dict:
+def timed_session(model, input_ids, compile: bool, o_rows: int, merge_early: bool, two_steps: str) -> dict:
     gemv_config = gemv_kernels.gemv_config
 
     def probed_config(n: int, k: int, whole_row: bool = False) -> dict:
-        if whole_row and n <= 2 * k and qkv_two_steps:
+        if whole_row and ("qkv" if n <= 2 * k else "gate_up") in two_steps.split(","):
             return gemv_config(n, k)
+        if whole_row and n <= 2 * k and two_steps == "qkv_80":
+            return dict(gemv_config(n, k, whole_row), maxnreg=80)
         if whole_row or n != k or not o_rows:
             return gemv_config(n, k, whole_row)
         config = gemv_config(n, k, whole_row=True)
