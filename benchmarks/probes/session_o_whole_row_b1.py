@@ -1,33 +1,35 @@
-"""Issue 29: the GEMVs around the attention call in a B=1 replayed step: their tiles, and when the o GEMV launches.
+"""Issue 29: the GEMVs' tiles around the attention call in a B=1 replayed step.
 
-The o projection (``[2048, 2048]`` on the Llama-3.2-1B shape, with the residual add) runs on ``gemv_config``'s tiles
-for K 2048 without the norm: 8 rows a program, K in two steps of 1024 at 4 warps, so each program loads half of its
-weight before its PDL wait and the other half after it. With one K step of 2048 at 8 warps (the tiles of the GEMVs
-that take the norm, ``whole_row``) a program loads all of its weight before the wait, and at 128 registers a thread
-two programs fit an SM, so all 256 programs are resident from the start: the whole weight (8 MB) could be in flight
-while the attention's merge still runs. This probe times a ``DecodeSession``'s replayed step (``fuse_projections``
-and ``layer_kernels``) on ``bench_generate``'s model (bf16, a 512-token prompt, ``max_cache_len=2048``) in one
-process, the variants alternating over ``--rounds`` rounds:
+A GEMV program owns 8 rows and walks K (``flashcore/kernels/triton/gemv.py``). ``gemv_config``'s tiles for K 2048
+take two K steps of 1024 at 4 warps; its ``whole_row`` tiles one step of 2048 at 8 warps and at most 128 registers a
+thread, two programs an SM, so that a program loads all of its weight before its PDL wait. Until entry 57 the
+GEMVs that compute the RMSNorm (q/k/v and gate/up) took the whole-row tiles, which read the input row once for both
+the norm's sum and the products; since then every GEMV takes the two-step tiles. This probe times a
+``DecodeSession``'s replayed step (``fuse_projections`` and ``layer_kernels``) on ``bench_generate``'s model (the
+Llama-3.2-1B shape, bf16, a 512-token prompt, ``max_cache_len=2048``) in one process, the variants alternating over
+``--rounds`` rounds:
 
-- ``default``: the o GEMV on ``gemv_config``'s tiles;
-- ``o_whole_row``: every GEMV with ``n == k`` and no norm (only the o projection on this shape) on
-  ``gemv_config(whole_row=True)``'s tiles: 8 x 2048 at 8 warps, at most 128 registers a thread;
+- ``default``: ``gemv_config``'s tiles everywhere;
+- ``norm_whole_row``: the q/k/v and gate/up GEMVs on the whole-row tiles (the default before entry 57);
+- ``qkv_whole_row`` / ``gate_up_whole_row``: one of them (q/k/v: ``n <= 2 * k``, 3072 x 2048 here, 384 programs,
+  one wave at four an SM and 1.45 waves at two; gate/up: 16384 x 2048, 2048 programs);
+- ``qkv_whole_row_80``: q/k/v on the whole-row tiles at 80 registers a thread, three programs an SM: one wave, the
+  row read once (the accumulators and the weight tile may then spill);
+- ``o_whole_row``: the o projection (``n == k`` without the norm, 2048 x 2048 here, with the residual add) on the
+  whole-row tiles, so that all 256 programs are resident and load their whole weight before the wait;
 - ``o_whole_row_4``: the same with 4 rows a program at 4 warps (512 programs, four an SM);
-- ``o_whole_row_merge_early``: ``o_whole_row``, and the split merge releasing the next launch before its wait
-  (``split_merge.RELEASE_BEFORE_WAIT``), so that the o GEMV launches while the decode kernel runs and loads its
-  weight then (entry 56 measured this release with the two-step tiles: slower);
-- ``qkv_two_steps``: the q/k/v GEMV (``whole_row`` and ``n <= 2 * k``: 3072 x 2048 here) on the tiles for K 2048
-  without the norm: K in two steps of 1024 at 4 warps, so that its 384 programs fit the SMs in one wave (at 8 warps
-  and 128 registers, two programs an SM, they take 1.45 waves), the row read twice;
-- ``qkv_whole_row_80``: the q/k/v GEMV on its whole-row tiles at 80 registers a thread, three programs an SM: one
-  wave, the row read once (the accumulators and the weight tile may then spill);
-- ``gate_up_two_steps``: the same for the gate/up GEMV (``whole_row`` and ``n > 2 * k``; 2048 programs, 7.8 waves
-  at two an SM, 3.9 at four);
-- ``norm_two_steps``: both;
 - ``..._compiled``: with ``compile=True``.
 
+Measured at fd60ded, then removed with its switch: ``o_whole_row_merge_early``, ``o_whole_row`` with the split
+merge releasing the next launch before its own wait, so that the o GEMV launched while the decode kernel ran and
+loaded its weight then (entry 56 had measured this release with the two-step tiles: slower). Result files before
+d56749d name the variants by the tiles of their day: their ``default`` is this ``norm_whole_row``, and their
+``norm_two_steps`` / ``qkv_two_steps`` / ``gate_up_two_steps`` are this ``default`` / ``gate_up_whole_row`` /
+``qkv_whole_row``.
+
 Per variant: µs per replayed step (median over rounds of the median of 5 timings of 100 replays; the context grows
-by 500 tokens over them), and the first step where its 32 greedy tokens part from ``default``'s (None: all equal).
+by 500 tokens over them), and the first step where its 32 greedy tokens part from ``default``'s (None: all equal;
+the norm's sum runs in K-step chunks, so the tiles may round an input the other way).
 
     python benchmarks/probes/session_o_whole_row_b1.py --out benchmarks/probes/results/session_o_whole_row_b1.json
 """
@@ -42,44 +44,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 
 from flashcore.kernels.triton import gemv as gemv_kernels  # noqa: E402
-from flashcore.kernels.triton import split_merge  # noqa: E402
 
-VARIANTS = {  # name: (compile, rows a program of the o GEMV on one K step or 0, merge releases early,
-    # the GEMVs with the norm on two K steps, or qkv_80)
-    "default": (False, 0, False, ""),
-    "o_whole_row": (False, 8, False, ""),
-    "o_whole_row_4": (False, 4, False, ""),
-    "o_whole_row_merge_early": (False, 8, True, ""),
-    "qkv_two_steps": (False, 0, False, "qkv"),
-    "qkv_whole_row_80": (False, 0, False, "qkv_80"),
-    "gate_up_two_steps": (False, 0, False, "gate_up"),
-    "norm_two_steps": (False, 0, False, "qkv,gate_up"),
+VARIANTS = {  # name: (compile, the GEMVs on whole-row tiles, registers a thread of q/k/v's, rows a program of o's)
+    "default": (False, (), None, 0),
+    "norm_whole_row": (False, ("qkv", "gate_up"), None, 0),
+    "qkv_whole_row": (False, ("qkv",), None, 0),
+    "gate_up_whole_row": (False, ("gate_up",), None, 0),
+    "qkv_whole_row_80": (False, ("qkv",), 80, 0),
+    "o_whole_row": (False, ("o",), None, 8),
+    "o_whole_row_4": (False, ("o",), None, 4),
 }
 VARIANTS |= {f"{name}_compiled": (True, *switches[1:]) for name, switches in VARIANTS.items()}
 
 
-def timed_session(model, input_ids, compile: bool, o_rows: int, merge_early: bool, two_steps: str) -> dict:
+def projection(n: int, k: int) -> str:
+    """Which projection of the Llama-3.2-1B shape an ``[n, k]`` GEMV is (by shape; the LM head is ``head``)."""
+    if k > 4096:
+        return "down"
+    if n == k:
+        return "o"
+    return "qkv" if n <= 2 * k else "gate_up" if n <= 16 * k else "head"
+
+
+def timed_session(model, input_ids, compile: bool, whole_row: tuple, qkv_registers: int | None, o_rows: int) -> dict:
     gemv_config = gemv_kernels.gemv_config
 
-    def probed_config(n: int, k: int, whole_row: bool = False) -> dict:
-        if whole_row and ("qkv" if n <= 2 * k else "gate_up") in two_steps.split(","):
+    def probed_config(n: int, k: int, whole_row_: bool = False) -> dict:
+        name = projection(n, k)
+        if name not in whole_row:
             return gemv_config(n, k)
-        if whole_row and n <= 2 * k and two_steps == "qkv_80":
-            return dict(gemv_config(n, k, whole_row), maxnreg=80)
-        if whole_row or n != k or not o_rows:
-            return gemv_config(n, k, whole_row)
         config = gemv_config(n, k, whole_row=True)
-        if o_rows == 4:
+        if name == "qkv" and qkv_registers:
+            config = dict(config, maxnreg=qkv_registers)
+        if name == "o" and o_rows == 4:
             config = dict(config, block_n=4, num_warps=4, maxnreg=None)
         return config
 
     gemv_kernels.gemv_config = probed_config
-    split_merge.RELEASE_BEFORE_WAIT = merge_early
     try:
         return harness.session_steps(model, input_ids, compile=compile, fuse_projections=True, layer_kernels=True)
     finally:
         gemv_kernels.gemv_config = gemv_config
-        split_merge.RELEASE_BEFORE_WAIT = False
 
 
 def main() -> None:

@@ -164,17 +164,17 @@ def gemv_config(n: int, k: int, whole_row: bool = False) -> dict:
     From ``benchmarks/probes/gemv_configs_in_chain.py`` (entry 54) on the Llama-3.2-1B shape's projections, each
     GEMV after a norm as in a decode step: the best of the tiles tried (6 at K 2048, 10 at K 8192) on q/k/v, gate/up
     and down, 0.15 µs behind the best on o. With 128 accumulators per thread (8 x 2048 at 4 warps) q/k/v took 1.2 µs
-    longer and the down projection twice as long.
+    longer and the down projection twice as long. The GEMVs that compute the RMSNorm take these tiles too, and read
+    the row twice (the sum of squares, then the products): at 4 warps four programs fit an SM, so the q/k/v GEMV's
+    384 programs run in one wave. In a compiled B=1 session that was 15 µs per step faster than one K step of 2048
+    at 8 warps (two programs an SM, 1.45 waves), and 19 µs with gate/up on these tiles too (H100,
+    ``benchmarks/probes/session_o_whole_row_b1.py``, entry 57).
 
-    ``whole_row`` (the GEMV computes the RMSNorm): one K step covers the whole row up to K 4096, with the warps to
-    keep 64 accumulators per thread, so that the row is read once for both the norm's sum and the products. In a
-    replayed B=1 session it was level with the two K steps above (1098.5 against 1095.8 µs on an H100,
-    ``benchmarks/probes/session_folded_norm_b1.py``, entry 55); the compiled session was measured with it."""
+    ``whole_row``: one K step covers the whole row up to K 4096, with the warps to keep 64 accumulators per thread, at
+    most 128 registers a thread at 8 warps (two programs an SM). The probes compare these tiles."""
     if whole_row and k <= 4096:
         block_k = triton.next_power_of_2(k)
         num_warps = min(16, max(4, block_k // 256))
-        # At 8 warps, two programs per SM need <= 128 registers a thread, which the RoPE epilogue would exceed
-        # (161 on the H100's triton 3.6: one program per SM, the q/k/v GEMV in three waves; entry 56).
         return dict(block_n=BLOCK_N, block_k=block_k, num_warps=num_warps, maxnreg=128 if num_warps == 8 else None)
     block_k = min(triton.next_power_of_2(k), 1024 if k <= 2048 else 2048)
     return dict(block_n=BLOCK_N, block_k=block_k, num_warps=4 if k <= 2048 else 8)
@@ -205,7 +205,7 @@ def gemv_triton(
     n, k = weight.shape
     if out is None:
         out = torch.empty(n, dtype=x.dtype, device=x.device)
-    config = config or gemv_config(n, k, whole_row=norm_weight is not None)
+    config = config or gemv_config(n, k)
     use_pdl = uses_programmatic_launch(x.device)
     unused = out  # stands in for the pointers the constexpr switches keep the kernel from reading
     _launch_gemv(

@@ -116,7 +116,6 @@ def _merge_kv_splits_kernel(
     SPLITS_PAD: tl.constexpr,
     HAS_QUERY_LENS: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
-    RELEASE_BEFORE_WAIT: tl.constexpr,  # with USE_PDL: release the next launch before this one's wait
 ):
     """One program per (batch, q head, token) row. Launched after the attention kernel, which has then read
     seq_lens in every program (stream order), so advancing it here cannot race a reader."""
@@ -124,8 +123,6 @@ def _merge_kv_splits_kernel(
     batch = tl.program_id(1).to(tl.int64)
     rows = batch * rows_per_batch + pid_row + tl.arange(0, 1)
     if USE_PDL:
-        if RELEASE_BEFORE_WAIT:
-            gdc_launch_dependents()
         # This launch may start while the attention kernel still runs: wait for all of it (its partials, and
         # its last reads of seq_lens) before the first load.
         gdc_wait()
@@ -133,8 +130,7 @@ def _merge_kv_splits_kernel(
         # wait in its own gdc_wait, so that its launch latency hides behind the merge (faster on the H100's B1 split
         # decode rows, L <= 4k; benchmarks/NOTES.md, entry 34). Released before the wait instead, a B=1 step's o
         # GEMV launched during the decode kernel and the step took 3-12 µs longer (entry 56).
-        if not RELEASE_BEFORE_WAIT:
-            gdc_launch_dependents()
+        gdc_launch_dependents()
     _merge_kv_splits(
         partial_out_ptr, partial_lse_ptr, out_ptr, rows, tl.full([1], 1, tl.int1), num_splits,
         HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, 1,
@@ -148,7 +144,6 @@ def _merge_kv_splits_kernel(
 
 
 _launch_merge = CachedLauncher(_merge_kv_splits_kernel)
-RELEASE_BEFORE_WAIT = False  # probes/session_o_whole_row_b1.py sets it: the o GEMV then launches during the decode
 
 
 def merge_kv_splits(
@@ -174,7 +169,6 @@ def merge_kv_splits(
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HAS_QUERY_LENS=query_lens is not None,
             USE_PDL=use_pdl,
-            RELEASE_BEFORE_WAIT=RELEASE_BEFORE_WAIT,
         ),
         num_warps=4 if head_dim > 64 else 2,
         num_stages=3,
