@@ -18,7 +18,9 @@ add up to the step's span, each kernel's share of it. Per variant:
   projections moved onto flashcore's GEMV).
 
 Reported: kernels per step, the sum of kernel durations, the step's span (first kernel start to last kernel end),
-the sum of gaps, duration and advance per category, and the weights' bytes over the span against 3.0 TB/s.
+the sum of gaps, duration and advance per category, and the weights' bytes over the span against 3.0 TB/s. And what
+flashcore's GEMV compiled to for the launches made so far (``gemv_compilations``): per grid and tiles, registers a
+thread, spills, how many programs an SM holds by registers and warps, and the grid's waves at that.
 
     python benchmarks/probes/decode_step_kernels.py --out benchmarks/probes/results/decode_step_kernels.json
 """
@@ -124,6 +126,32 @@ def profile_variant(model, input_ids, options: dict, steps: int) -> dict:
     }
 
 
+def gemv_compilations() -> list[dict]:
+    """Each compiled launch signature of flashcore's GEMV kernel (``gemv._launch_gemv``, the launches so far): grid,
+    tiles and switches, registers a thread and spills, programs an SM by registers (64K a SM, allotted 8 a thread at a
+    time) and by warps (64 a SM), and the waves the grid takes at that many on every SM."""
+    from flashcore.kernels.triton import gemv
+
+    launcher = gemv._launch_gemv
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+    for key, (compiled, constexpr_values) in launcher._compiled.items():
+        constexprs = dict(zip(launcher._constexpr_names, constexpr_values, strict=True))
+        num_warps, registers = compiled.metadata.num_warps, compiled.n_regs
+        allocated = -(-max(registers, 1) // 8) * 8  # a warp's registers come in 256s: 8 a thread
+        per_sm = min(65536 // (allocated * 32 * num_warps), 64 // num_warps)
+        rows.append({
+            "programs": key[0][0],
+            **{name: constexprs[name] for name in ("BLOCK_N", "BLOCK_K", "NORM", "SWIGLU", "ROTARY", "HAS_RESIDUAL")},
+            "num_warps": num_warps,
+            "registers": registers,
+            "spills": compiled.n_spills,
+            "programs_per_sm": per_sm,
+            "waves": key[0][0] / (per_sm * sms) if per_sm else None,
+        })  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
@@ -147,7 +175,10 @@ def main() -> None:
         with torch.inference_mode():
             summary = profile_variant(variant_model, input_ids, VARIANTS[name], args.steps)
         summary["weights_pct_of_3tb_over_span"] = 100 * weight_bytes / (summary["span_us_median"] * 1e-6) / 3.0e12
+        summary["gemv_compilations"] = gemv_compilations()
         result["variants"][name] = summary
+        for row in summary["gemv_compilations"]:
+            print("   gemv", row, flush=True)
         print(f"{name}: {summary['kernels_per_step']} kernels, span {summary['span_us_median']:.0f} us, kernels "
               f"{summary['kernel_us_sum']:.0f} us, gaps {summary['gap_us_sum']:.0f} us, "
               f"{summary['weights_pct_of_3tb_over_span']:.1f}% of 3 TB/s", flush=True)  # fmt: skip
