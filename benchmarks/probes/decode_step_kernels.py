@@ -19,8 +19,8 @@ add up to the step's span, each kernel's share of it. Per variant:
 
 Reported: kernels per step, the sum of kernel durations, the step's span (first kernel start to last kernel end),
 the sum of gaps, duration and advance per category, and the weights' bytes over the span against 3.0 TB/s. And what
-flashcore's GEMV compiled to for the launches made so far (``gemv_compilations``): per grid and tiles, registers a
-thread, spills, how many programs an SM holds by registers and warps, and the grid's waves at that.
+flashcore's GEMV compiled to in the process (``gemv_compilations``): per tiles and switches, registers a thread,
+spills, and how many programs an SM holds by registers and warps.
 
     python benchmarks/probes/decode_step_kernels.py --out benchmarks/probes/results/decode_step_kernels.json
 """
@@ -126,30 +126,33 @@ def profile_variant(model, input_ids, options: dict, steps: int) -> dict:
     }
 
 
-def gemv_compilations() -> list[dict]:
-    """Each compiled launch signature of flashcore's GEMV kernel (``gemv._launch_gemv``, the launches so far): grid,
-    tiles and switches, registers a thread and spills, programs an SM by registers (64K a SM, allotted 8 a thread at a
-    time) and by warps (64 a SM), and the waves the grid takes at that many on every SM."""
+def gemv_compilations() -> dict:
+    """What flashcore's GEMV kernel compiled to in this process (Triton's JIT cache of ``gemv._gemv_kernel``, which
+    every compile goes through): per compiled variant its switches and tiles, registers a thread and spills, and how
+    many programs an SM holds by registers (64K a SM, allotted 8 a thread at a time) and by warps (64 a SM). Also
+    how many launch signatures the direct launcher (``gemv._launch_gemv``) keeps."""
     from flashcore.kernels.triton import gemv
 
-    launcher = gemv._launch_gemv
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    kernel = gemv._gemv_kernel
+    switches = ("BLOCK_N", "BLOCK_K", "NORM", "SWIGLU", "ROTARY", "HAS_RESIDUAL")
     rows = []
-    for key, (compiled, constexpr_values) in launcher._compiled.items():
-        constexprs = dict(zip(launcher._constexpr_names, constexpr_values, strict=True))
-        num_warps, registers = compiled.metadata.num_warps, compiled.n_regs
-        allocated = -(-max(registers, 1) // 8) * 8  # a warp's registers come in 256s: 8 a thread
-        per_sm = min(65536 // (allocated * 32 * num_warps), 64 // num_warps)
-        rows.append({
-            "programs": key[0][0],
-            **{name: constexprs[name] for name in ("BLOCK_N", "BLOCK_K", "NORM", "SWIGLU", "ROTARY", "HAS_RESIDUAL")},
-            "num_warps": num_warps,
-            "registers": registers,
-            "spills": compiled.n_spills,
-            "programs_per_sm": per_sm,
-            "waves": key[0][0] / (per_sm * sms) if per_sm else None,
-        })  # fmt: skip
-    return rows
+    for device_cache in kernel.device_caches.values():
+        for compiled in device_cache[0].values():
+            constants = {
+                kernel.arg_names[key[0]] if isinstance(key, tuple) else key: value
+                for key, value in compiled.src.constants.items()
+            }
+            num_warps, registers = compiled.metadata.num_warps, compiled.n_regs
+            allocated = -(-max(registers, 1) // 8) * 8
+            rows.append({
+                **{name: constants.get(name) for name in switches},
+                "num_warps": num_warps,
+                "maxnreg": getattr(compiled.metadata, "maxnreg", None),
+                "registers": registers,
+                "spills": compiled.n_spills,
+                "programs_per_sm": min(65536 // (allocated * 32 * num_warps), 64 // num_warps),
+            })  # fmt: skip
+    return {"compiled": rows, "direct_launch_signatures": len(gemv._launch_gemv._compiled)}
 
 
 def main() -> None:
@@ -177,7 +180,7 @@ def main() -> None:
         summary["weights_pct_of_3tb_over_span"] = 100 * weight_bytes / (summary["span_us_median"] * 1e-6) / 3.0e12
         summary["gemv_compilations"] = gemv_compilations()
         result["variants"][name] = summary
-        for row in summary["gemv_compilations"]:
+        for row in summary["gemv_compilations"]["compiled"]:
             print("   gemv", row, flush=True)
         print(f"{name}: {summary['kernels_per_step']} kernels, span {summary['span_us_median']:.0f} us, kernels "
               f"{summary['kernel_us_sum']:.0f} us, gaps {summary['gap_us_sum']:.0f} us, "

@@ -11,9 +11,9 @@ the decode kernel's advance is 4.4 µs, the merge's 1.5 and the o GEMV's 6.0 for
 - ``separate``: the default, the merge in its own launch;
 - ``in_launch``: the policy forced to merge in the attention launch while capturing too (the last split of each
   KV head merges, and the o GEMV launches when the decode kernel ends);
-- ``in_launch_release``: the same, with the decode kernel releasing the next launch after its wait, as it does
-  before a separate merge (``decode.RELEASE_WITH_MERGE``), so that the o GEMV loads its first tiles during the
-  attention;
+- ``in_launch_release`` (measured at 174133c, then removed with its switch): the same, with the decode kernel
+  releasing the next launch after its wait, as it does before a separate merge, so that the o GEMV loaded its first
+  tiles during the attention;
 - ``..._compiled``: with ``compile=True``.
 
 Per variant: µs per replayed step (median over rounds of the median of 5 timings of 100 replays), and the first
@@ -34,25 +34,19 @@ import harness  # noqa: E402
 from flashcore.kernels.gluon_sm90 import decode  # noqa: E402
 from flashcore.kernels.triton import split_merge  # noqa: E402
 
-VARIANTS = {  # name: (compile, merge in the attention launch, the decode kernel releases after its wait)
-    "separate": (False, False, False),
-    "in_launch": (False, True, False),
-    "in_launch_release": (False, True, True),
-}
+VARIANTS = {"separate": (False, False), "in_launch": (False, True)}  # name: (compile, merge in the attention launch)
 VARIANTS |= {f"{name}_compiled": (True, *switches[1:]) for name, switches in VARIANTS.items()}
 
 
-def timed_session(model, input_ids, compile: bool, in_launch: bool, release: bool) -> dict:
+def timed_session(model, input_ids, compile: bool, in_launch: bool) -> dict:
     policy = split_merge.merges_in_attention_launch
     if in_launch:
         split_merge.merges_in_attention_launch = lambda device: True
-    decode.RELEASE_WITH_MERGE = release
     decode.forget_launch_plans()
     try:
         return harness.session_steps(model, input_ids, compile=compile, fuse_projections=True, layer_kernels=True)
     finally:
         split_merge.merges_in_attention_launch = policy
-        decode.RELEASE_WITH_MERGE = False
         decode.forget_launch_plans()
 
 

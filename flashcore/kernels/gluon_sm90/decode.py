@@ -244,12 +244,11 @@ if common.HAS_GLUON:
         MERGE_ROWS: gl.constexpr,  # MERGE_IN_LAUNCH only: query heads merged per step (bounds its registers)
         USE_PDL: gl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
         NUM_WARPS: gl.constexpr,  # the consumer warps (the kernel's num_warps)
-        RELEASE_WITH_MERGE: gl.constexpr,  # MERGE_IN_LAUNCH: release the next launch after the wait all the same
     ):  # fmt: skip
         # -- programmatic dependent launch (see the Triton kernel) --
         if USE_PDL:
             gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-            if USE_SPLIT_KV and (RELEASE_WITH_MERGE or not MERGE_IN_LAUNCH):
+            if USE_SPLIT_KV and not MERGE_IN_LAUNCH:
                 gl.inline_asm_elementwise(
                     "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
                 )
@@ -329,7 +328,6 @@ def _launch_plan(batch_kv_heads: int, capacity: int, group: int, head_dim: int, 
 MAX_BOUND_LAUNCHES = 4096  # per live cache two layers' worth each; a new cache adds its own
 _bound_launches: dict[tuple, object] = {}
 _VARYING = (0, 1, 2, 7, 8, 11)
-RELEASE_WITH_MERGE = False  # probes/session_merge_in_launch_b1.py sets it
 
 
 def forget_launch_plans() -> None:
@@ -410,7 +408,6 @@ def _launch(call: KernelCall, out: torch.Tensor, merge_in_launch: bool, bound_ke
         MERGE_ROWS=merge_rows,
         USE_PDL=use_pdl,
         NUM_WARPS=CONFIG.num_consumer_warps,
-        RELEASE_WITH_MERGE=RELEASE_WITH_MERGE,
     )
     options = dict(
         num_warps=CONFIG.num_consumer_warps, num_stages=CONFIG.num_stages, launch_pdl=use_pdl,
