@@ -168,7 +168,7 @@ def gemv_config(n: int, k: int, whole_row: bool = False) -> dict:
     the row twice (the sum of squares, then the products): at 4 warps four programs fit an SM, so the q/k/v GEMV's
     384 programs run in one wave. In a compiled B=1 session that was 15 µs per step faster than one K step of 2048
     at 8 warps (two programs an SM, 1.45 waves), and 19 µs with gate/up on these tiles too (H100,
-    ``benchmarks/probes/session_o_whole_row_b1.py``, entry 57).
+    ``benchmarks/probes/session_gemv_tiles_b1.py``, entry 57).
 
     ``whole_row``: one K step covers the whole row up to K 4096, with the warps to keep 64 accumulators per thread, at
     most 128 registers a thread at 8 warps (two programs an SM). The probes compare these tiles."""
@@ -201,7 +201,8 @@ def gemv_triton(
     (``[N]`` contiguous) that is added to the output; with ``cos`` and ``sin`` (one row of D each, unit stride) the
     outputs ``[0, rotated)``, heads of D with ``rotated`` a multiple of D and D of ``block_n``, get the rotary
     embedding.
-    ``config`` overrides :func:`gemv_config` (probes sweep it)."""
+    ``config`` overrides :func:`gemv_config` (probes sweep it; it may also set ``num_stages``, 1 otherwise, and
+    ``maxnreg``)."""
     n, k = weight.shape
     if out is None:
         out = torch.empty(n, dtype=x.dtype, device=x.device)
@@ -223,7 +224,7 @@ def gemv_triton(
             USE_PDL=use_pdl,
         ),
         num_warps=config["num_warps"],
-        num_stages=1,
+        num_stages=config.get("num_stages", 1),
         launch_pdl=use_pdl,
         maxnreg=config.get("maxnreg"),
     )  # fmt: skip
