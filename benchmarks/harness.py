@@ -381,7 +381,7 @@ def ms_per_call_repeated(call: Callable[[], object], calls: int, trials: int) ->
 
 
 def session_steps(model, input_ids: torch.Tensor, **options) -> dict:
-    """The B=1 session probes' measurement of one variant: a fresh ``DecodeSession(model, max_cache_len=2048,
+    """The session probes' measurement of one variant: a fresh ``DecodeSession(model, max_cache_len=2048,
     **options)`` over ``input_ids``' rows gives 32 greedy tokens (the prefill's, an eager warm-up step, the capture,
     replays), then 5 timings of 100 replayed steps (the context grows by 500 tokens over them). Returns
     ``{"us_per_step": the median timing, "tokens": row 0's tokens}``, a run for :func:`alternating_step_rounds`."""
@@ -394,11 +394,19 @@ def session_steps(model, input_ids: torch.Tensor, **options) -> dict:
     return {"us_per_step": statistics.median(timings), "tokens": torch.stack(tokens, 1)[0].tolist()}
 
 
-def session_probe_main(doc: str, variants: dict, timed_session: Callable[..., dict], reference: str) -> None:
-    """The main of the B=1 session probes (``probes/session_*_b1.py``): ``--out``, ``--rounds``, ``--variants``;
-    ``bench_generate``'s model (the Llama-3.2-1B shape, bf16) and a random 512-token prompt on the GPU; then
-    ``timed_session(model, input_ids, *variants[name])`` for each variant, alternating over the rounds, and the rows of
-    :func:`alternating_step_rounds` written as JSON."""
+def session_probe_main(
+    doc: str,
+    variants: dict,
+    timed_session: Callable[..., dict],
+    reference: str,
+    batch: int = 1,
+    report: dict | None = None,
+) -> None:
+    """The main of the session probes (``probes/session_*_b1.py``, ``_b16.py``): ``--out``, ``--rounds``,
+    ``--variants``; ``bench_generate``'s model (the Llama-3.2-1B shape, bf16) and ``batch`` random 512-token prompts
+    on the GPU; then ``timed_session(model, input_ids, *variants[name])`` for each variant, alternating over the
+    rounds, and the rows of :func:`alternating_step_rounds` written as JSON, with ``report`` (a dict the probe fills
+    as it runs) under ``"report"`` where given."""
     from bench_generate import build_config, build_model
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -409,7 +417,7 @@ def session_probe_main(doc: str, variants: dict, timed_session: Callable[..., di
     device = torch.device("cuda")
     model = build_model(build_config(is_tiny=False), device)
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, model.config.vocab_size, (1, 512), generator=generator).to(device)
+    input_ids = torch.randint(3, model.config.vocab_size, (batch, 512), generator=generator).to(device)
 
     def run(name: str) -> dict:
         return timed_session(model, input_ids, *variants[name])
@@ -417,6 +425,8 @@ def session_probe_main(doc: str, variants: dict, timed_session: Callable[..., di
     with torch.inference_mode():
         rows = alternating_step_rounds(args.variants.split(","), args.rounds, run, reference)
     result = {"environment": environment(device), "settings": vars(args), "rows": rows}
+    if report is not None:
+        result["report"] = report
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
