@@ -2,10 +2,14 @@
 
 At B=16 a step's projections are GEMMs of 16 rows. cuBLAS runs them at 1.54 TB/s (q/k/v, o), 2.09 (down, split-K)
 and 2.62 (gate/up) in entry 52's profile, where the weights need 823 µs at 3.0 TB/s and the GEMMs took 1075.
-``flashcore/kernels/triton/rows_gemm.py`` is the one-row GEMV's launch (programmatic dependent launch, the first
-weight tile loaded before the wait) around a ``tl.dot`` of the rows, padded to 16, with each weight tile. This probe
+The kernel below (``_rows_gemm_kernel``) is the one-row GEMV's launch (``flashcore/kernels/triton/gemv.py``:
+programmatic dependent launch, the first weight tile loaded before the wait, the dependents released right after
+it) around a ``tl.dot`` of the rows, padded to 16, with each weight tile: each program owns ``block_n`` outputs of
+every row and walks K in ``block_k`` steps, Triton's pipeliner keeping ``num_stages`` tiles in flight; fp32
+accumulation, one rounding. It was measured slower than cuBLAS here (entry 57) and lives in this probe, not in
+flashcore (it was ``flashcore/kernels/triton/rows_gemm.py`` at 761283c, tested there against fp64). This probe
 times a ``DecodeSession``'s replayed step (``fuse_projections`` and ``layer_kernels``, no compile: the kernel has no
-custom op yet) on ``bench_generate``'s model (bf16, 16 random 512-token prompts, ``max_cache_len=2048``) in one
+custom op) on ``bench_generate``'s model (bf16, 16 random 512-token prompts, ``max_cache_len=2048``) in one
 process, the variants alternating over ``--rounds`` rounds:
 
 - ``cublas``: the projections and the LM head on ``nn.Linear`` (cuBLAS);
@@ -28,12 +32,101 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
-from flashcore.kernels.triton.rows_gemm import MAX_ROWS, rows_gemm_triton  # noqa: E402
+from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch  # noqa: E402
+
+BLOCK_M = 16  # the rows, padded: tl.dot's smallest tile
+MAX_ROWS = BLOCK_M
+
+
+@triton.jit
+def _rows_gemm_kernel(
+    x_ptr,  # [M, K], unit stride along K
+    weight_ptr,  # [N, K], unit stride along K
+    bias_ptr,  # [N]; read only when HAS_BIAS
+    out_ptr,  # [M, N], contiguous
+    m,
+    n,
+    k,
+    stride_x_m,
+    stride_weight_n,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs; None: tl.dot's default (fp16/bf16)
+    USE_PDL: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m, mask_n = offs_m < m, offs_n < n
+    weight_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * stride_weight_n
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_x_m
+
+    # stage 1: the first weight tile, loaded while the kernel before may still run
+    mask_k = offs_k < k
+    w = tl.load(weight_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    if USE_PDL:
+        gdc_wait()  # x comes from the kernel before
+        gdc_launch_dependents()
+    x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    acc = tl.dot(x, tl.trans(w), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), input_precision=INPUT_PRECISION)
+
+    # stage 2: the rest of K
+    for start in tl.range(BLOCK_K, k, BLOCK_K, num_stages=NUM_STAGES):
+        cols = start + offs_k
+        mask_k = cols < k
+        w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
+
+    # epilogue
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * n + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+_launch_rows_gemm = CachedLauncher(_rows_gemm_kernel)
+
+
+def rows_gemm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    config: dict,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x`` ``[M, K]`` (M <= 16) with unit stride along K, ``weight`` ``[N, K]`` with unit stride along K, ``bias``
+    ``[N]`` or None; returns ``out`` (``[M, N]`` contiguous of ``x``'s dtype; a new one if None), with ``config``'s
+    tiles (:func:`tiles`)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    use_pdl = uses_programmatic_launch(x.device)
+    _launch_rows_gemm(
+        (triton.cdiv(n, config["block_n"]), 1, 1),
+        (x, weight, bias if bias is not None else out, out, m, n, k, x.stride(0), weight.stride(0)),
+        dict(
+            BLOCK_M=BLOCK_M, BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], NUM_STAGES=config["num_stages"],
+            HAS_BIAS=bias is not None, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+            USE_PDL=use_pdl,
+        ),
+        num_warps=config["num_warps"],
+        num_stages=config["num_stages"],
+        launch_pdl=use_pdl,
+    )  # fmt: skip
+    return out
 
 
 def tiles(block_n: int, block_k: int, num_stages: int) -> dict:
