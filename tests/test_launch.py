@@ -37,6 +37,25 @@ def test_signature_separates_what_triton_specialises_on():
     assert signature(aligned, None, 0.5) is None  # an argument it does not key: left to Triton's JIT
 
 
+def test_signature_keys_a_parameter_as_its_tensor():
+    """A projection's weight is an ``nn.Parameter``: the GEMV's launches must key it as the tensor it is, or every
+    eager GEMV goes through Triton's JIT (its host time). Other tensor subclasses stay unkeyed."""
+    launcher = CachedLauncher(_attention_with_kv_cache_kernel)
+    tensor = torch.zeros(64, dtype=torch.float16)
+
+    def signature(argument):
+        options = dict(num_warps=4, num_stages=3)
+        return launcher._signature((1, 1, 1), (argument, 16, 0.5), {"BLOCK": 16}, options, device=0)
+
+    assert signature(tensor) is not None
+    assert signature(torch.nn.Parameter(tensor, requires_grad=False)) == signature(tensor)
+
+    class Subclass(torch.Tensor):
+        pass
+
+    assert signature(tensor.as_subclass(Subclass)) is None
+
+
 @pytest.mark.skipif(TensorDescriptor is None, reason="triton without Gluon's host TMA descriptors")
 def test_signature_keys_tma_descriptors_on_dtype_and_block():
     from triton.experimental.gluon import language as gl

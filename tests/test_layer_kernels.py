@@ -209,6 +209,18 @@ def test_gemv_ops_write_their_out_and_compile_to_eager_bits(device, generator):
     assert torch.equal(torch.compile(two_layers, fullgraph=True)(x), two_layers(x))
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the direct launch exists on the GPU only (the interpreter runs the JIT)")
+def test_gemv_of_a_parameter_takes_the_direct_launch(device, generator):
+    """A projection's weight is an ``nn.Parameter``; its GEMV's second launch skips Triton's JIT (host time per eager
+    call) through the launch signature the first one left, and gives the same bits."""
+    x = randn((1, 1, 96), generator=generator, dtype=torch.float16, device=device)
+    weight = torch.nn.Parameter(randn((40, 96), generator=generator, dtype=torch.float16, device=device), False)
+    gemv_kernels._launch_gemv._compiled.clear()
+    first = layer_ops.gemv(x, weight)
+    assert len(gemv_kernels._launch_gemv._compiled) == 1
+    assert torch.equal(layer_ops.gemv(x, weight), first)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "heads, head_dim, k", [((4, 2), 64, 100), ((6, 2), 16, 96), ((3, 1), 8, 2500)], ids=["d64", "d16", "d8_k2500"]

@@ -148,7 +148,8 @@ class CachedLauncher:
 
         Exact type tests rather than isinstance: this runs on every eager call, over ~46 arguments, and on the
         H100 test host the isinstance chain was a measurable part of it (NOTES.md, entry 23).
-        Subclasses (a bool, a tensor subclass) are not keyed and take the JIT path.
+        ``nn.Parameter`` is keyed as the tensor it is to the kernel (the GEMV takes a projection's weight); other
+        subclasses (a bool, any other tensor subclass) are not keyed and take the JIT path.
         """
         key = [grid, *options.items(), device, *constexprs.values()]
         append = key.append
@@ -156,7 +157,7 @@ class CachedLauncher:
             kind = type(arg)
             if kind is int:
                 append(arg)
-            elif kind is torch.Tensor:
+            elif kind is torch.Tensor or kind is torch.nn.Parameter:
                 append(arg.dtype)
                 append(arg.data_ptr() % 16 == 0)
             elif kind is float:
