@@ -380,6 +380,20 @@ def ms_per_call_repeated(call: Callable[[], object], calls: int, trials: int) ->
     return timings
 
 
+def gemv_whole_row_config(k: int) -> dict:
+    """The one-row GEMV's whole-row tiles for K <= 4096 (``gemv_triton``'s ``config``): one K step over the whole row,
+    with the warps to keep 64 fp32 accumulators a thread, and at 8 warps at most 128 registers a thread (two programs
+    an SM). The GEMVs that compute the RMSNorm took them until entry 57, which measured the two-step tiles of
+    ``gemv_config`` faster; the probes compare the two."""
+    import triton
+
+    if k > 4096:
+        raise ValueError(f"the whole-row tiles cover K <= 4096, got K = {k}")
+    block_k = triton.next_power_of_2(k)
+    num_warps = min(16, max(4, block_k // 256))
+    return dict(block_n=8, block_k=block_k, num_warps=num_warps, maxnreg=128 if num_warps == 8 else None)
+
+
 def session_steps(model, input_ids: torch.Tensor, **options) -> dict:
     """The session probes' measurement of one variant: a fresh ``DecodeSession(model, max_cache_len=2048,
     **options)`` over ``input_ids``' rows gives 32 greedy tokens (the prefill's, an eager warm-up step, the capture,

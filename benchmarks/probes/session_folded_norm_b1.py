@@ -11,8 +11,8 @@ over ``--rounds`` rounds:
   ``flashcore.integrations.layer_kernels.runs_kernel_norm`` answer False in this process);
 - ``folded_two_steps``: folded, with the GEMV's tiles for K 2048 without the norm (K in two steps of 1024 at 4 warps:
   the row is read twice, once for the sum of squares and once for the products);
-- ``folded_whole_row``: folded, with one K step of 2048 at 8 warps (``gemv_config(whole_row=True)``; the default
-  until entry 57);
+- ``folded_whole_row``: folded, with one K step of 2048 at 8 warps (``harness.gemv_whole_row_config``; the
+  default until entry 57);
 - ``norm_kernel_compiled`` / ``folded_whole_row_compiled``: the first and the last with ``compile=True``.
 
 Per variant: µs per replayed step (median over rounds of the median of 5 timings of 100 replays; the context grows
@@ -34,7 +34,7 @@ import harness  # noqa: E402
 from flashcore.integrations import layer_kernels  # noqa: E402
 from flashcore.kernels.triton import gemv as gemv_kernels  # noqa: E402
 
-VARIANTS = {  # name: (compile, fold the norm, gemv_config's whole_row for the folded GEMVs)
+VARIANTS = {  # name: (compile, fold the norm, the folded GEMVs on the whole-row tiles)
     "norm_kernel": (False, False, True),
     "folded_two_steps": (False, True, False),
     "folded_whole_row": (False, True, True),
@@ -47,12 +47,16 @@ def timed_session(model, input_ids, compile: bool, fold: bool, whole_row: bool) 
     runs_kernel_norm, gemv_config = layer_kernels.runs_kernel_norm, gemv_kernels.gemv_config
     if not fold:
         layer_kernels.runs_kernel_norm = lambda norm: False
-    # The folded GEMVs (q/k/v and gate/up: n != k, n <= 16 * k; not the LM head) on the tiles of the variant.
-    # Since entry 57 gemv_config's default is the two-step tiles, so the whole-row ones are asked for here.
+    # The folded GEMVs (q/k/v and gate/up: n != k, n <= 16 * k, K <= 4096; not o, down or the LM head) on the
+    # variant's tiles. Since entry 57 gemv_config gives the two-step tiles, so the whole-row ones are set here.
     folded_whole_row = whole_row and fold
-    gemv_kernels.gemv_config = lambda n, k, whole_row_=False: gemv_config(
-        n, k, whole_row=folded_whole_row and n != k and n <= 16 * k
-    )
+
+    def probed_config(n: int, k: int) -> dict:
+        if folded_whole_row and n != k and n <= 16 * k and k <= 4096:
+            return harness.gemv_whole_row_config(k)
+        return gemv_config(n, k)
+
+    gemv_kernels.gemv_config = probed_config
     try:
         return harness.session_steps(model, input_ids, compile=compile, fuse_projections=True, layer_kernels=True)
     finally:

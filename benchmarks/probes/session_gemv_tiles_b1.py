@@ -1,13 +1,14 @@
 """Issue 29: the GEMVs' tiles in a B=1 replayed step, per projection.
 
 A GEMV program owns ``block_n`` rows and walks K in ``block_k`` steps (``flashcore/kernels/triton/gemv.py``).
-``gemv_config``'s tiles for K 2048 take two K steps of 1024 at 4 warps; its ``whole_row`` tiles one step of 2048 at
-8 warps and at most 128 registers a thread, two programs an SM, so that a program loads all of its weight before its
-PDL wait. Until entry 57 the GEMVs that compute the RMSNorm (q/k/v and gate/up) took the whole-row tiles, which read
-the input row once for both the norm's sum and the products; since then every GEMV takes the two-step tiles. This
-probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and ``layer_kernels``) on ``bench_generate``'s
-model (the Llama-3.2-1B shape, bf16, a 512-token prompt, ``max_cache_len=2048``) in one process, each variant
-giving some projections other tiles, the variants alternating over ``--rounds`` rounds:
+``gemv_config``'s tiles for K 2048 take two K steps of 1024 at 4 warps; the whole-row tiles
+(``harness.gemv_whole_row_config``) one step of 2048 at 8 warps and at most 128 registers a thread, two programs an SM,
+so that a program loads all of its weight before its PDL wait. Until entry 57 the GEMVs that compute the RMSNorm (q/k/v
+and gate/up) took the whole-row tiles, which read the input row once for both the norm's sum and the products; since
+then every GEMV takes the two-step tiles. This probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and
+``layer_kernels``) on ``bench_generate``'s model (the Llama-3.2-1B shape, bf16, a 512-token prompt,
+``max_cache_len=2048``) in one process, each variant giving some projections other tiles, the variants alternating over
+``--rounds`` rounds:
 
 - ``default``: ``gemv_config``'s tiles everywhere;
 - ``norm_whole_row``: the q/k/v and gate/up GEMVs on the whole-row tiles (the default before entry 57);
@@ -50,7 +51,7 @@ import harness  # noqa: E402
 
 from flashcore.kernels.triton import gemv as gemv_kernels  # noqa: E402
 
-WHOLE_ROW = "whole_row"  # gemv_config(n, k, whole_row=True)'s tiles
+WHOLE_ROW = "whole_row"  # harness.gemv_whole_row_config's tiles
 
 
 def tiles(block_n: int, block_k: int, num_warps: int = 4, **options) -> dict:
@@ -86,11 +87,11 @@ def projection(n: int, k: int) -> str:
 def timed_session(model, input_ids, compile: bool, overrides: dict) -> dict:
     gemv_config = gemv_kernels.gemv_config
 
-    def probed_config(n: int, k: int, whole_row: bool = False) -> dict:
+    def probed_config(n: int, k: int) -> dict:
         override = overrides.get(projection(n, k))
         if override is None:
             return gemv_config(n, k)
-        return gemv_config(n, k, whole_row=True) if override == WHOLE_ROW else override
+        return harness.gemv_whole_row_config(k) if override == WHOLE_ROW else override
 
     gemv_kernels.gemv_config = probed_config
     try:

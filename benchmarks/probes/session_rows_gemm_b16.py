@@ -17,8 +17,8 @@ process, the variants alternating over ``--rounds`` rounds:
   warps): their forwards replaced in this process for inputs of 2-16 rows (``RowsGemmForward``);
 - ``rows_16x256_s4_no_head``: the default tiles, the LM head left on cuBLAS.
 
-Before the first session on it the probe checks the kernel in bf16 on the model's shapes against fp64, beside
-cuBLAS's error (``report.bf16_check``).
+Before the first variant that runs the kernel, the probe checks it in bf16 on the model's weight shapes against
+fp64, beside cuBLAS's error (``report.bf16_check``).
 Per variant: µs per replayed step (median over rounds of the median of 5 timings of 100 replays), and the first
 step where row 0's 32 greedy tokens part from ``cublas``'s (None: all equal; another summation order may round a
 near-tie the other way).

@@ -157,7 +157,7 @@ _launch_gemv = CachedLauncher(_gemv_kernel)
 BLOCK_N = 8  # outputs per program; a rotated head's D must be a multiple of it
 
 
-def gemv_config(n: int, k: int, whole_row: bool = False) -> dict:
+def gemv_config(n: int, k: int) -> dict:
     """``block_n``, ``block_k`` and ``num_warps`` for an ``[n, k]`` weight: 8 outputs per program, K in steps of 1024
     at 4 warps, or of 2048 at 8 warps where K is longer than 2048; 64 fp32 accumulators per thread either way.
 
@@ -168,14 +168,8 @@ def gemv_config(n: int, k: int, whole_row: bool = False) -> dict:
     the row twice (the sum of squares, then the products): at 4 warps four programs fit an SM, so the q/k/v GEMV's
     384 programs run in one wave. In a compiled B=1 session that was 15 µs per step faster than one K step of 2048
     at 8 warps (two programs an SM, 1.45 waves), and 19 µs with gate/up on these tiles too (H100,
-    ``benchmarks/probes/session_gemv_tiles_b1.py``, entry 57).
-
-    ``whole_row``: one K step covers the whole row up to K 4096, with the warps to keep 64 accumulators per thread, at
-    most 128 registers a thread at 8 warps (two programs an SM). The probes compare these tiles."""
-    if whole_row and k <= 4096:
-        block_k = triton.next_power_of_2(k)
-        num_warps = min(16, max(4, block_k // 256))
-        return dict(block_n=BLOCK_N, block_k=block_k, num_warps=num_warps, maxnreg=128 if num_warps == 8 else None)
+    ``benchmarks/probes/session_gemv_tiles_b1.py``, entry 57; the probes keep those whole-row tiles as
+    ``harness.gemv_whole_row_config``)."""
     block_k = min(triton.next_power_of_2(k), 1024 if k <= 2048 else 2048)
     return dict(block_n=BLOCK_N, block_k=block_k, num_warps=4 if k <= 2048 else 8)
 
