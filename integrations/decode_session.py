@@ -35,6 +35,8 @@ from flashcore.integrations.llama import (
     model_tp_size,
 )
 from flashcore.integrations.prompt_lookup import propose_from_history
+from flashcore.integrations.rotary_table import rotary_table_for, rotary_table_installed
+from flashcore.integrations.step_end import append_history, chunk_maxima, chunked_argmax, pick_and_advance
 
 MAX_DRAFT_TOKENS = 16  # per speculative step
 MAX_DRAFT_BACKOFF = 64  # plain steps after drafts keep failing, at most, before speculating again
@@ -121,6 +123,11 @@ class DecodeSession:
             dtype=model.dtype,
             tp_size=model_tp_size(model),
         )
+        # cos and sin of every position a step can reach (a verify step's drafts run past the last kept token), from
+        # the model's rotary module once: each step gathers its rows (rotary_table.py). Under device_map the rotary
+        # module's device may not be the positions'; it keeps HF's module.
+        num_positions = max_cache_len + MAX_DRAFT_TOKENS + 1
+        self._rotary_table = rotary_table_for(model, num_positions) if one_device else None
         self.token = torch.zeros(batch_size, dtype=torch.long, device=device)
         # Each row's text so far (its prompt's real tokens, then every selected token), for prompt lookup's drafts.
         # Room for what speculative_step writes past the cache's last slot before it checks the drafts.
@@ -162,15 +169,16 @@ class DecodeSession:
             real = attention_mask.to(torch.long)
             positions = self._position + (real.cumsum(dim=1) - 1).clamp(min=0)
         cache_position = self._cache_position + torch.arange(length, device=input_ids.device)
-        logits = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            cache_position=cache_position,
-            **{CACHE_ARGUMENT_NAME: self.cache},
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
+        with rotary_table_installed(self.model, self._rotary_table):
+            logits = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=positions,
+                cache_position=cache_position,
+                **{CACHE_ARGUMENT_NAME: self.cache},
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
         self._position.copy_(positions[:, -1:] + 1)
         self._cache_position.add_(length)
         self.token.copy_(self._select(logits))
@@ -294,10 +302,12 @@ class DecodeSession:
         are then the graph's own tensors, overwritten by each replay). Always eager without ``use_cuda_graph``."""
         entry = self._graphs.get(key)
         if not self.use_cuda_graph:
-            return step()
+            with rotary_table_installed(self.model, self._rotary_table):
+                return step()
         if entry is None:
             self._graphs[key] = _WARM
-            with kernels_as_captured():  # compiles the kernels the capture will replay
+            # kernels_as_captured compiles the kernels the capture will replay
+            with kernels_as_captured(), rotary_table_installed(self.model, self._rotary_table):
                 return step()
         if entry is _WARM:
             torch.cuda.synchronize()
@@ -306,7 +316,7 @@ class DecodeSession:
             # (torch.cuda.graph no longer collects by default): collect it now.
             gc.collect()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph), rotary_table_installed(self.model, self._rotary_table):
                 outputs = step()
             self._graphs[key] = entry = (graph, outputs)
         graph, outputs = entry
@@ -324,25 +334,21 @@ class DecodeSession:
 
     def _step_eager(self) -> None:
         """One decode step on the session's buffers: the next token, the positions, the text (``self._step``
-        runs it, compiled with ``compile=True``)."""
-        self.token.copy_(self._next_token(self.token, self._position, self._cache_position))
-        self._position.add_(1)
-        self._cache_position.add_(1)
-        self._append_history(self.token[:, None], 1)
+        runs it, compiled with ``compile=True``). After the forward, the pick's first pass and one launch
+        (``step_end.pick_and_advance``)."""
+        logits = self._next_logits(self.token, self._position, self._cache_position)
+        chunk_max, index_in_chunk, chunk = chunk_maxima(self._scores(logits))
+        pick_and_advance(
+            chunk_max.to(self.token.device), index_in_chunk.to(self.token.device), chunk, self.token, self._position,
+            self._cache_position, self._history, self._history_len,
+        )  # fmt: skip
 
     def _append_history(self, tokens: torch.Tensor, counts: torch.Tensor | int) -> None:
-        """Appends each row's first ``counts[b]`` of ``tokens [B, n]`` to its text (the rest lands past its end,
-        where it is ignored); device tensor work only, so a captured step can do it. One token with ``counts=1``,
-        a decode step's, takes four kernels."""
-        width = self._history.shape[1]
-        index = self._history_len[:, None]
-        if tokens.shape[1] > 1:
-            index = index + torch.arange(tokens.shape[1], device=tokens.device)
-        self._history.scatter_(1, index.clamp(max=width - 1), tokens)
-        self._history_len.add_(counts).clamp_(max=width)
+        """Appends each row's first ``counts[b]`` of ``tokens [B, n]`` to its text (``step_end.append_history``)."""
+        append_history(self._history, self._history_len, tokens, counts)
 
-    def _next_token(self, token: torch.Tensor, position: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        logits = self.model(
+    def _next_logits(self, token: torch.Tensor, position: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        return self.model(
             input_ids=token[:, None],
             position_ids=position,
             cache_position=cache_position,
@@ -350,38 +356,25 @@ class DecodeSession:
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        return self._select(logits)
+
+    def _scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the pick takes the largest of: the logits (greedy), or for Gumbel-max sampling ``logits / T`` plus
+        Gumbel noise (its argmax samples ``softmax(logits / T)``, with no host sync)."""
+        if self.temperature == 0:
+            return logits
+        noise = -torch.log(-torch.log(torch.rand_like(logits, dtype=torch.float32).clamp_(min=1e-20)))
+        return logits.float() / self.temperature + noise
 
     def _select(self, logits: torch.Tensor) -> torch.Tensor:
         """The ids picked from ``logits``, on the session's device (under device_map the logits come from the
         last layer's)."""
-        if self.temperature == 0:
-            return chunked_argmax(logits).to(self.token.device)
-        # Gumbel-max: argmax(logits / T + Gumbel noise) samples softmax(logits / T), with no host sync.
-        noise = -torch.log(-torch.log(torch.rand_like(logits, dtype=torch.float32).clamp_(min=1e-20)))
-        return chunked_argmax(logits.float() / self.temperature + noise).to(self.token.device)
+        return chunked_argmax(self._scores(logits)).to(self.token.device)
 
 
 def _real_tokens_first(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Each row's real tokens moved to the front, in order (a left-padded row's pads go to the back)."""
     order = torch.argsort(1 - attention_mask.to(torch.long), dim=1, stable=True)
     return input_ids.gather(1, order)
-
-
-def chunked_argmax(scores: torch.Tensor) -> torch.Tensor:
-    """``scores.argmax(dim=-1)`` for ``[B, V]``, in two parallel passes; ties go to the first index, as in torch.
-
-    One row of a large vocabulary is a single-program reduction in both eager PyTorch and inductor (H100,
-    V = 128256, B = 1: 36 us eager, 29 us compiled, per decode step); the max of each chunk first, then the
-    best chunk, spreads the first pass over V / chunk programs.
-    """
-    batch, vocab = scores.shape
-    chunk = next((size for size in (1024, 512, 256, 128) if vocab % size == 0 and vocab > size), None)
-    if chunk is None:
-        return scores.argmax(dim=-1)
-    chunk_max, index_in_chunk = scores.view(batch, vocab // chunk, chunk).max(dim=-1)
-    best_chunk = chunk_max.argmax(dim=-1, keepdim=True)
-    return (best_chunk * chunk + index_in_chunk.gather(-1, best_chunk)).squeeze(-1)
 
 
 def _inductor_options(device: torch.device) -> dict:

@@ -10,7 +10,7 @@ import torch
 from conftest import ON_GPU, TEST_DEVICE
 from hf_models import bf16_llama, random_prompts, seed_of, tiny_llama
 
-from flashcore.integrations.decode_session import DEFAULT_MAX_NGRAM, DecodeSession, chunked_argmax
+from flashcore.integrations.decode_session import DEFAULT_MAX_NGRAM, DecodeSession
 from flashcore.integrations.llama import (
     CACHE_ARGUMENT_NAME,
     FlashCoreCache,
@@ -161,18 +161,6 @@ def test_compiled_session_matches_stock_greedy(fuse_projections, layer_kernels, 
 
     assert torch.equal(torch.stack(tokens, dim=1), expected)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
-
-
-@pytest.mark.parametrize("vocab", [128256, 49152, 1000, 1021, 100])
-def test_chunked_argmax_matches_torch_argmax(vocab, generator):
-    scores = torch.randn(3, vocab, generator=generator)
-    # Ties (first index wins in torch.argmax) inside one chunk and across chunks, and a row of equal values.
-    scores[0, [7, vocab - 1]] = scores[0].max() + 1
-    scores[1, [vocab // 3, vocab // 3 + 1]] = scores[1].max() + 1
-    scores[2] = 0.5
-    for dtype in (torch.float32, torch.bfloat16):
-        typed = scores.to(dtype)
-        assert torch.equal(chunked_argmax(typed), typed.argmax(dim=-1))
 
 
 def _lookup_reference(text: list[int], num_draft: int, max_ngram: int, min_ngram: int) -> tuple[list[int], bool]:

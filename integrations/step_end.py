@@ -1,0 +1,122 @@
+"""The end of a session's decode step: the greedy pick (or the Gumbel-max sample's) and the decode state's advance.
+
+A pick over a large vocabulary runs in two passes (:func:`chunk_maxima`, then the best chunk). After it a step
+writes the token, advances each row's RoPE position and the shared cache position, and appends the token to each
+row's text: in eager PyTorch eleven small launches, in inductor's code six (H100, B1: 20 and 11 µs of the step's
+end; ``benchmarks/NOTES.md``, entry 58). :func:`pick_and_advance` does all after the first pass in one, a Triton
+launch on CUDA (``flashcore/kernels/triton/pick_and_advance.py``, tested against the torch code here, which runs
+everywhere else and defines the result), one ``torch.library`` op that inductor leaves alone in a compiled step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Vocabulary entries per chunk of the pick's first pass, the largest that divides the vocabulary.
+CHUNK_SIZES = (1024, 512, 256, 128)
+
+
+def chunk_maxima(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(chunk_max [B, C], index_in_chunk [B, C], chunk)``: the largest of each ``chunk`` consecutive scores of
+    ``scores [B, V]`` and where in its chunk it is (the first of equal ones, as ``torch.max``).
+
+    One row of a large vocabulary is a single-program reduction in both eager PyTorch and inductor (H100,
+    V = 128256, B = 1: 36 us eager, 29 us compiled, per decode step); chunks spread this pass over V / chunk
+    programs. A vocabulary no chunk size divides is one chunk.
+    """
+    batch, vocab = scores.shape
+    chunk = next((size for size in CHUNK_SIZES if vocab % size == 0 and vocab > size), vocab)
+    chunk_max, index_in_chunk = scores.view(batch, vocab // chunk, chunk).max(dim=-1)
+    return chunk_max, index_in_chunk, chunk
+
+
+def pick_from_chunks(chunk_max: torch.Tensor, index_in_chunk: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[B]`` int64: the index of each row's largest score, from :func:`chunk_maxima`'s outputs (the first of equal
+    ones, as ``torch.argmax``)."""
+    best_chunk = chunk_max.argmax(dim=-1, keepdim=True)
+    return (best_chunk * chunk + index_in_chunk.gather(-1, best_chunk)).squeeze(-1)
+
+
+def chunked_argmax(scores: torch.Tensor) -> torch.Tensor:
+    """``scores.argmax(dim=-1)`` for ``[B, V]`` in the two passes; ties go to the first index, as in torch."""
+    return pick_from_chunks(*chunk_maxima(scores))
+
+
+def append_history(history: torch.Tensor, history_len: torch.Tensor, tokens: torch.Tensor, counts) -> None:
+    """Appends each row's first ``counts[b]`` (a ``[B]`` tensor or an int) of ``tokens [B, n]`` to its text,
+    ``history [B, W]`` of ``history_len [B]`` tokens (the rest lands past its end, where it is ignored; a full row keeps
+    its last slot overwritten). Device tensor work only, so a captured step can do it."""
+    width = history.shape[1]
+    index = history_len[:, None]
+    if tokens.shape[1] > 1:
+        index = index + torch.arange(tokens.shape[1], device=tokens.device)
+    history.scatter_(1, index.clamp(max=width - 1), tokens)
+    history_len.add_(counts).clamp_(max=width)
+
+
+def pick_and_advance(
+    chunk_max: torch.Tensor,
+    index_in_chunk: torch.Tensor,
+    chunk: int,
+    token: torch.Tensor,
+    position: torch.Tensor,
+    cache_position: torch.Tensor,
+    history: torch.Tensor,
+    history_len: torch.Tensor,
+) -> None:
+    """Writes ``token [B]`` (:func:`pick_from_chunks`), adds 1 to ``position [B, 1]`` and ``cache_position [1]``, and
+    appends the token to each row's text (:func:`append_history`). The session's buffers: int64, contiguous, on the
+    scores' device."""
+    if torch.compiler.is_compiling():
+        torch.ops.flashcore.pick_and_advance(
+            chunk_max, index_in_chunk, chunk, token, position, cache_position, history, history_len
+        )
+    else:
+        _pick_and_advance(chunk_max, index_in_chunk, chunk, token, position, cache_position, history, history_len)
+
+
+def pick_and_advance_with_torch(
+    chunk_max: torch.Tensor,
+    index_in_chunk: torch.Tensor,
+    chunk: int,
+    token: torch.Tensor,
+    position: torch.Tensor,
+    cache_position: torch.Tensor,
+    history: torch.Tensor,
+    history_len: torch.Tensor,
+) -> None:
+    """:func:`pick_and_advance` in torch tensor ops, on any device."""
+    token.copy_(pick_from_chunks(chunk_max, index_in_chunk, chunk))
+    position.add_(1)
+    cache_position.add_(1)
+    append_history(history, history_len, token[:, None], 1)
+
+
+def _pick_and_advance(*args) -> None:
+    if args[0].is_cuda:
+        from flashcore.kernels.triton.pick_and_advance import pick_and_advance_triton
+
+        pick_and_advance_triton(*args)
+    else:
+        pick_and_advance_with_torch(*args)
+
+
+@torch.library.custom_op(
+    "flashcore::pick_and_advance", mutates_args=("token", "position", "cache_position", "history", "history_len")
+)
+def _pick_and_advance_op(
+    chunk_max: torch.Tensor,
+    index_in_chunk: torch.Tensor,
+    chunk: int,
+    token: torch.Tensor,
+    position: torch.Tensor,
+    cache_position: torch.Tensor,
+    history: torch.Tensor,
+    history_len: torch.Tensor,
+) -> None:
+    _pick_and_advance(chunk_max, index_in_chunk, chunk, token, position, cache_position, history, history_len)
+
+
+@_pick_and_advance_op.register_fake
+def _(chunk_max, index_in_chunk, chunk, token, position, cache_position, history, history_len) -> None:
+    return None

@@ -1,0 +1,58 @@
+"""The end of a session's decode step (``step_end``): the torch code and the Triton launch must both give
+``torch.argmax``'s token and advance the positions and the text as the step's separate ops did."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TEST_DEVICE
+
+from flashcore.integrations.step_end import chunk_maxima, chunked_argmax, pick_and_advance_with_torch
+from flashcore.kernels.triton.pick_and_advance import pick_and_advance_triton
+
+HISTORY_WIDTH = 12
+
+
+def _scores_with_ties(batch: int, vocab: int, dtype: torch.dtype, generator) -> torch.Tensor:
+    scores = torch.randn(batch, vocab, generator=generator)
+    # Ties (the first index wins in torch.argmax) across chunks, inside one chunk, and a row of equal values.
+    scores[0, [7, vocab - 1]] = scores[0].max() + 1
+    scores[1, [vocab // 3, vocab // 3 + 1]] = scores[1].max() + 1
+    scores[2] = 0.5
+    return scores.to(dtype)
+
+
+@pytest.mark.parametrize("implementation", ["torch", "triton"])
+@pytest.mark.parametrize("vocab", [128256, 49152, 1021], ids=["llama3", "smollm2", "one_chunk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pick_and_advance_matches_argmax_and_the_separate_updates(implementation, vocab, dtype, generator):
+    batch = 5
+    scores = _scores_with_ties(batch, vocab, dtype, generator).to(TEST_DEVICE)
+    position = torch.randint(0, 1000, (batch, 1), generator=generator).to(TEST_DEVICE)
+    cache_position = torch.randint(0, 1000, (1,), generator=generator).to(TEST_DEVICE)
+    history = torch.randint(0, vocab, (batch, HISTORY_WIDTH), generator=generator).to(TEST_DEVICE)
+    # An empty text, a text one short of full, and a full one (its last slot is overwritten, its length stays).
+    history_len = torch.tensor([0, 3, HISTORY_WIDTH - 1, HISTORY_WIDTH, 7], device=TEST_DEVICE)
+    expected_token = scores.argmax(dim=-1)
+    expected_history = history.clone()
+    for row, length in enumerate(history_len.tolist()):
+        expected_history[row, min(length, HISTORY_WIDTH - 1)] = expected_token[row]
+    expected = (
+        expected_token, position + 1, cache_position + 1, expected_history, (history_len + 1).clamp(max=HISTORY_WIDTH)
+    )  # fmt: skip
+
+    token = torch.full((batch,), -1, dtype=torch.long, device=TEST_DEVICE)
+    run = pick_and_advance_with_torch if implementation == "torch" else pick_and_advance_triton
+    run(*chunk_maxima(scores), token, position, cache_position, history, history_len)
+
+    names = ("token", "position", "cache_position", "history", "history_len")
+    got = (token, position, cache_position, history, history_len)
+    for name, value, want in zip(names, got, expected, strict=True):
+        assert torch.equal(value, want), name
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152, 1000, 1021, 100])
+def test_chunked_argmax_matches_torch_argmax(vocab, generator):
+    for dtype in (torch.float32, torch.bfloat16):
+        scores = _scores_with_ties(3, vocab, dtype, generator)
+        assert torch.equal(chunked_argmax(scores), scores.argmax(dim=-1))
