@@ -36,7 +36,7 @@ from flashcore.integrations.llama import (
 )
 from flashcore.integrations.prompt_lookup import propose_from_history
 from flashcore.integrations.rotary_table import rotary_table_for, rotary_table_installed
-from flashcore.integrations.step_end import append_history, chunk_maxima, chunked_argmax, pick_and_advance
+from flashcore.integrations.step_end import append_history, chunked_argmax, pick_and_advance
 
 MAX_DRAFT_TOKENS = 16  # per speculative step
 MAX_DRAFT_BACKOFF = 64  # plain steps after drafts keep failing, at most, before speculating again
@@ -133,6 +133,7 @@ class DecodeSession:
         # Room for what speculative_step writes past the cache's last slot before it checks the drafts.
         self._history = torch.zeros(batch_size, max_cache_len + 1 + MAX_DRAFT_TOKENS, dtype=torch.long, device=device)
         self._history_len = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self._pick_tickets = torch.zeros(batch_size, dtype=torch.int32, device=device)  # pick_and_advance's scratch
         # RoPE position of the next token per row (left padding shifts rows), and its cache position (the same
         # for every row: pads occupy positions too, as in generate).
         self._position = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
@@ -334,12 +335,10 @@ class DecodeSession:
 
     def _step_eager(self) -> None:
         """One decode step on the session's buffers: the next token, the positions, the text (``self._step``
-        runs it, compiled with ``compile=True``). After the forward, the pick's first pass and one launch
-        (``step_end.pick_and_advance``)."""
+        runs it, compiled with ``compile=True``). After the forward, one launch (``step_end.pick_and_advance``)."""
         logits = self._next_logits(self.token, self._position, self._cache_position)
-        chunk_max, index_in_chunk, chunk = chunk_maxima(self._scores(logits))
         pick_and_advance(
-            chunk_max.to(self.token.device), index_in_chunk.to(self.token.device), chunk, self.token, self._position,
+            self._scores(logits).to(self.token.device), self._pick_tickets, self.token, self._position,
             self._cache_position, self._history, self._history_len,
         )  # fmt: skip
 

@@ -1,11 +1,10 @@
 """The end of a session's decode step: the greedy pick (or the Gumbel-max sample's) and the decode state's advance.
 
-A pick over a large vocabulary runs in two passes (:func:`chunk_maxima`, then the best chunk). After it a step
-writes the token, advances each row's RoPE position and the shared cache position, and appends the token to each
-row's text: in eager PyTorch eleven small launches, in inductor's code six (H100, B1: 20 and 11 µs of the step's
-end; ``benchmarks/NOTES.md``, entry 58). :func:`pick_and_advance` does all after the first pass in one, a Triton
-launch on CUDA (``flashcore/kernels/triton/pick_and_advance.py``, tested against the torch code here, which runs
-everywhere else and defines the result), one ``torch.library`` op that inductor leaves alone in a compiled step.
+A pick over a large vocabulary runs in two passes (:func:`chunk_maxima`, then the best chunk). After it a decode
+step writes the token, advances each row's RoPE position and the shared cache position, and appends the token to
+each row's text. :func:`pick_and_advance` does all of it in one launch on CUDA
+(``flashcore/kernels/triton/pick_and_advance.py``, tested against the torch code here, which runs everywhere else
+and defines the result), a ``torch.library`` op that inductor leaves alone in a compiled step.
 """
 
 from __future__ import annotations
@@ -55,38 +54,36 @@ def append_history(history: torch.Tensor, history_len: torch.Tensor, tokens: tor
 
 
 def pick_and_advance(
-    chunk_max: torch.Tensor,
-    index_in_chunk: torch.Tensor,
-    chunk: int,
+    scores: torch.Tensor,
+    tickets: torch.Tensor,
     token: torch.Tensor,
     position: torch.Tensor,
     cache_position: torch.Tensor,
     history: torch.Tensor,
     history_len: torch.Tensor,
 ) -> None:
-    """Writes ``token [B]`` (:func:`pick_from_chunks`), adds 1 to ``position [B, 1]`` and ``cache_position [1]``, and
-    appends the token to each row's text (:func:`append_history`). The session's buffers: int64, contiguous, on the
-    scores' device."""
+    """Writes ``token [B]``, the index of each row's largest score in ``scores [B, V]`` (the first of equal ones, as
+    ``torch.argmax``), adds 1 to ``position [B, 1]`` and ``cache_position [1]``, and appends the token to each row's
+    text (:func:`append_history`). ``tickets [B]`` int32 is the launch's scratch, zero before and after. The session's
+    buffers: int64 (``tickets`` int32), contiguous, on the scores' device."""
+    args = (scores, tickets, token, position, cache_position, history, history_len)
     if torch.compiler.is_compiling():
-        torch.ops.flashcore.pick_and_advance(
-            chunk_max, index_in_chunk, chunk, token, position, cache_position, history, history_len
-        )
+        torch.ops.flashcore.pick_and_advance(*args)
     else:
-        _pick_and_advance(chunk_max, index_in_chunk, chunk, token, position, cache_position, history, history_len)
+        _pick_and_advance(*args)
 
 
 def pick_and_advance_with_torch(
-    chunk_max: torch.Tensor,
-    index_in_chunk: torch.Tensor,
-    chunk: int,
+    scores: torch.Tensor,
+    tickets: torch.Tensor,
     token: torch.Tensor,
     position: torch.Tensor,
     cache_position: torch.Tensor,
     history: torch.Tensor,
     history_len: torch.Tensor,
 ) -> None:
-    """:func:`pick_and_advance` in torch tensor ops, on any device."""
-    token.copy_(pick_from_chunks(chunk_max, index_in_chunk, chunk))
+    """:func:`pick_and_advance` in torch tensor ops, on any device (``tickets`` stays zero)."""
+    token.copy_(chunked_argmax(scores))
     position.add_(1)
     cache_position.add_(1)
     append_history(history, history_len, token[:, None], 1)
@@ -102,21 +99,21 @@ def _pick_and_advance(*args) -> None:
 
 
 @torch.library.custom_op(
-    "flashcore::pick_and_advance", mutates_args=("token", "position", "cache_position", "history", "history_len")
+    "flashcore::pick_and_advance",
+    mutates_args=("tickets", "token", "position", "cache_position", "history", "history_len"),
 )
 def _pick_and_advance_op(
-    chunk_max: torch.Tensor,
-    index_in_chunk: torch.Tensor,
-    chunk: int,
+    scores: torch.Tensor,
+    tickets: torch.Tensor,
     token: torch.Tensor,
     position: torch.Tensor,
     cache_position: torch.Tensor,
     history: torch.Tensor,
     history_len: torch.Tensor,
 ) -> None:
-    _pick_and_advance(chunk_max, index_in_chunk, chunk, token, position, cache_position, history, history_len)
+    _pick_and_advance(scores, tickets, token, position, cache_position, history, history_len)
 
 
 @_pick_and_advance_op.register_fake
-def _(chunk_max, index_in_chunk, chunk, token, position, cache_position, history, history_len) -> None:
+def _(scores, tickets, token, position, cache_position, history, history_len) -> None:
     return None

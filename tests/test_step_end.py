@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TEST_DEVICE
 
-from flashcore.integrations.step_end import chunk_maxima, chunked_argmax, pick_and_advance_with_torch
+from flashcore.integrations.step_end import chunked_argmax, pick_and_advance_with_torch
 from flashcore.kernels.triton.pick_and_advance import pick_and_advance_triton
 
 HISTORY_WIDTH = 12
@@ -23,7 +23,7 @@ def _scores_with_ties(batch: int, vocab: int, dtype: torch.dtype, generator) -> 
 
 
 @pytest.mark.parametrize("implementation", ["torch", "triton"])
-@pytest.mark.parametrize("vocab", [128256, 49152, 1021], ids=["llama3", "smollm2", "one_chunk"])
+@pytest.mark.parametrize("vocab", [128256, 49152, 3000, 1000], ids=["llama3", "smollm2", "short_last", "one"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pick_and_advance_matches_argmax_and_the_separate_updates(implementation, vocab, dtype, generator):
     batch = 5
@@ -37,13 +37,18 @@ def test_pick_and_advance_matches_argmax_and_the_separate_updates(implementation
     expected_history = history.clone()
     for row, length in enumerate(history_len.tolist()):
         expected_history[row, min(length, HISTORY_WIDTH - 1)] = expected_token[row]
+    for row, length in enumerate(history_len.tolist()):
+        expected_history[row, min(length + 1, HISTORY_WIDTH - 1)] = expected_token[row]
     expected = (
-        expected_token, position + 1, cache_position + 1, expected_history, (history_len + 1).clamp(max=HISTORY_WIDTH)
+        expected_token, position + 2, cache_position + 2, expected_history, (history_len + 2).clamp(max=HISTORY_WIDTH)
     )  # fmt: skip
 
     token = torch.full((batch,), -1, dtype=torch.long, device=TEST_DEVICE)
+    tickets = torch.zeros(batch, dtype=torch.int32, device=TEST_DEVICE)
     run = pick_and_advance_with_torch if implementation == "torch" else pick_and_advance_triton
-    run(*chunk_maxima(scores), token, position, cache_position, history, history_len)
+    for _ in range(2):  # the tickets are back at zero for the next launch
+        run(scores, tickets, token, position, cache_position, history, history_len)
+        assert not tickets.any()
 
     names = ("token", "position", "cache_position", "history", "history_len")
     got = (token, position, cache_position, history, history_len)

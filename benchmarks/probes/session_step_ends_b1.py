@@ -3,8 +3,8 @@
 A replayed B=1 step spent about 9 µs (compiled) to 17 µs (replayed) before its first GEMV on HF's rotary embedding
 and the token's embedding, and 11 to 20 µs after the LM head on the pick's second pass and the step's bookkeeping
 (``decode_step_kernels.py`` at 04b0820 and 2c920f3). A session now gathers cos and sin from a table the model's rotary
-module computed once (``integrations/rotary_table.py``) and ends its step with the pick's first pass and one launch
-(``integrations/step_end.py``). This probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and
+module computed once (``integrations/rotary_table.py``) and ends its step in one launch (``integrations/step_end.py``;
+at 5a851f4 the pick's first pass was still torch's or inductor's max before it, ``results/..._5a851f4.json``). This probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and
 ``layer_kernels``) on ``bench_generate``'s model (bf16, a 512-token prompt, ``max_cache_len=2048``) in one process,
 the variants alternating over ``--rounds``:
 
