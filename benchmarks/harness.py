@@ -394,17 +394,25 @@ def gemv_whole_row_config(k: int) -> dict:
     return dict(block_n=8, block_k=block_k, num_warps=num_warps, maxnreg=128 if num_warps == 8 else None)
 
 
+# The session probes' shape: the session's capacity and the replays per timing. session_probe_main sets them from
+# its --max-cache-len and --replays; a capacity of bench_generate's (prompt 512 + 256 new = 768) needs few replays,
+# since the context grows by 5 x replays over the timings.
+SESSION_SHAPE = {"max_cache_len": 2048, "replays": 100}
+
+
 def session_steps(model, input_ids: torch.Tensor, **options) -> dict:
-    """The session probes' measurement of one variant: a fresh ``DecodeSession(model, max_cache_len=2048,
-    **options)`` over ``input_ids``' rows gives 32 greedy tokens (the prefill's, an eager warm-up step, the capture,
-    replays), then 5 timings of 100 replayed steps (the context grows by 500 tokens over them). Returns
-    ``{"us_per_step": the median timing, "tokens": row 0's tokens}``, a run for :func:`alternating_step_rounds`."""
+    """The session probes' measurement of one variant: a fresh ``DecodeSession(model, max_cache_len, **options)``
+    (``SESSION_SHAPE``'s capacity, 2048 by default) over ``input_ids``' rows gives 32 greedy tokens (the prefill's,
+    an eager warm-up step, the capture, replays), then 5 timings of ``SESSION_SHAPE["replays"]`` replayed steps (100
+    by default: the context grows by 500 tokens over them). Returns ``{"us_per_step": the median timing, "tokens":
+    row 0's tokens}``, a run for :func:`alternating_step_rounds`."""
     from flashcore.integrations.decode_session import DecodeSession
 
-    session = DecodeSession(model, max_cache_len=2048, batch_size=input_ids.shape[0], **options)
+    max_cache_len, replays = SESSION_SHAPE["max_cache_len"], SESSION_SHAPE["replays"]
+    session = DecodeSession(model, max_cache_len=max_cache_len, batch_size=input_ids.shape[0], **options)
     tokens = [session.prefill(input_ids).clone()]
     tokens += [session.decode_step().clone() for _ in range(31)]
-    timings = [1e3 * ms for ms in ms_per_call_repeated(session.decode_step, 100, 5)]
+    timings = [1e3 * ms for ms in ms_per_call_repeated(session.decode_step, replays, 5)]
     return {"us_per_step": statistics.median(timings), "tokens": torch.stack(tokens, 1)[0].tolist()}
 
 
@@ -417,17 +425,21 @@ def session_probe_main(
     report: dict | None = None,
 ) -> None:
     """The main of the session probes (``probes/session_*_b1.py``, ``_b16.py``): ``--out``, ``--rounds``,
-    ``--variants``; ``bench_generate``'s model (the Llama-3.2-1B shape, bf16) and ``batch`` random 512-token prompts
-    on the GPU; then ``timed_session(model, input_ids, *variants[name])`` for each variant, alternating over the
-    rounds, and the rows of :func:`alternating_step_rounds` written as JSON, with ``report`` (a dict the probe fills
-    as it runs) under ``"report"`` where given."""
+    ``--variants``, ``--max-cache-len`` and ``--replays`` (``SESSION_SHAPE``); ``bench_generate``'s model (the
+    Llama-3.2-1B shape, bf16) and ``batch`` random 512-token prompts on the GPU; then ``timed_session(model,
+    input_ids, *variants[name])`` for each variant, alternating over the rounds, and the rows of
+    :func:`alternating_step_rounds` written as JSON, with ``report`` (a dict the probe fills as it runs) under
+    ``"report"`` where given."""
     from bench_generate import build_config, build_model
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--variants", default=",".join(variants))
+    parser.add_argument("--max-cache-len", type=int, default=SESSION_SHAPE["max_cache_len"])
+    parser.add_argument("--replays", type=int, default=SESSION_SHAPE["replays"])
     args = parser.parse_args()
+    SESSION_SHAPE.update(max_cache_len=args.max_cache_len, replays=args.replays)
     device = torch.device("cuda")
     model = build_model(build_config(is_tiny=False), device)
     generator = torch.Generator().manual_seed(0)

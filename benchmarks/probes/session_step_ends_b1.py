@@ -4,9 +4,11 @@ A replayed B=1 step spent about 9 µs (compiled) to 17 µs (replayed) before its
 and the token's embedding, and 11 to 20 µs after the LM head on the pick's second pass and the step's bookkeeping
 (``decode_step_kernels.py`` at 04b0820 and 2c920f3). A session now gathers cos and sin from a table the model's rotary
 module computed once (``integrations/rotary_table.py``) and ends its step in one launch (``integrations/step_end.py``;
-at 5a851f4 the pick's first pass was still torch's or inductor's max before it, ``results/..._5a851f4.json``). This probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and
-``layer_kernels``) on ``bench_generate``'s model (bf16, a 512-token prompt, ``max_cache_len=2048``) in one process,
-the variants alternating over ``--rounds``:
+at 5a851f4 the pick's first pass was still torch's or inductor's max before it, ``results/..._5a851f4.json``).
+This probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and ``layer_kernels``) on
+``bench_generate``'s model (bf16, a 512-token prompt; ``max_cache_len=2048`` and 100 replays a timing, or
+``--max-cache-len 768 --replays 40``, ``bench_generate``'s capacity) in one process, the variants alternating over
+``--rounds``:
 
 - ``separate``: the step as before: HF's rotary module on every step, and the pick's second pass, the token's copy,
   the position and cache-position adds and the text's append as separate ops;
