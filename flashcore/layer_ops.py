@@ -133,7 +133,6 @@ def gemv(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     rotated: int | None = None,
-    prefetch_epilogue: bool = False,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a single row of ``x``: a decode step's projection at batch 1.
 
@@ -155,12 +154,6 @@ def gemv(
             (:func:`gemv_can_rotate`).
         sin: like ``cos``; both or neither.
         rotated: a multiple of D in ``(0, N]``; None: N. Used only with ``cos``.
-        prefetch_epilogue: on a GPU with programmatic dependent launch, load ``residual``, ``cos`` and ``sin`` before
-            waiting on the launch just before this one, which therefore must write none of them (every flashcore
-            kernel waits before it releases the next launch, so anything written two launches back or earlier is
-            ready). A decoder layer's o and down projections qualify (their residual is the layer's input or the
-            attention's output), and its q/k/v projection from its second layer on (cos and sin come from the step's
-            start). The outputs are the same either way.
 
     Returns:
         A new contiguous ``[..., N]`` tensor of ``x``'s dtype: the products summed in fp32, plus the bias, rounded
@@ -180,14 +173,11 @@ def gemv(
     cos, sin, rotated = _check_rotary(x, weight.shape[0], cos, sin, rotated)
     if torch.compiler.is_compiling():
         out = row.new_empty(weight.shape[:1])
-        torch.ops.flashcore.gemv(
-            row, weight, bias, residual, norm_weight, float(eps), cos, sin, rotated, out, prefetch_epilogue
-        )
+        torch.ops.flashcore.gemv(row, weight, bias, residual, norm_weight, float(eps), cos, sin, rotated, out)
     else:
         out = gemv_kernels.gemv_triton(
-            row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, cos=cos, sin=sin, rotated=rotated,
-            prefetch_epilogue=prefetch_epilogue,
-        )  # fmt: skip
+            row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, cos=cos, sin=sin, rotated=rotated
+        )
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -204,7 +194,6 @@ def silu_and_mul_gemv(
     bias: torch.Tensor | None = None,
     *,
     residual: torch.Tensor | None = None,
-    prefetch_epilogue: bool = False,
 ) -> torch.Tensor:
     """``gemv(silu_and_mul(gate, up), weight, bias, residual=residual)`` in one kernel, to the same bits: a SwiGLU
     MLP's down projection at batch 1, which computes its input from the gate and up rows as it reads them.
@@ -212,7 +201,7 @@ def silu_and_mul_gemv(
     Args:
         gate: ``[..., K]`` holding one row, unit stride along K; may be a slice of a fused gate/up projection.
         up: the same shape, dtype and device.
-        weight, bias, residual, prefetch_epilogue: as for :func:`gemv`.
+        weight, bias, residual: as for :func:`gemv`.
 
     Returns:
         A new contiguous ``[..., N]`` tensor of ``gate``'s dtype.
@@ -226,11 +215,9 @@ def silu_and_mul_gemv(
     gate_row, up_row = gate.reshape(-1), up.reshape(-1)
     if torch.compiler.is_compiling():
         out = gate_row.new_empty(weight.shape[:1])
-        torch.ops.flashcore.silu_and_mul_gemv(gate_row, up_row, weight, bias, residual, out, prefetch_epilogue)
+        torch.ops.flashcore.silu_and_mul_gemv(gate_row, up_row, weight, bias, residual, out)
     else:
-        out = gemv_kernels.gemv_triton(
-            gate_row, weight, bias, up=up_row, residual=residual, prefetch_epilogue=prefetch_epilogue
-        )
+        out = gemv_kernels.gemv_triton(gate_row, weight, bias, up=up_row, residual=residual)
     return out.view(*gate.shape[:-1], weight.shape[0])
 
 
@@ -384,14 +371,13 @@ def _gemv_op(
     sin: torch.Tensor | None,
     rotated: int,
     out: torch.Tensor,
-    prefetch_epilogue: bool = False,
 ) -> None:
     vectors = dict(residual=residual, cos=cos, sin=sin, out=out)
     _check_like(row, "row", weight=weight, **{name: t for name, t in vectors.items() if t is not None})
     with on_device_of(row):
         gemv_kernels.gemv_triton(
             row, weight, bias, norm_weight=norm_weight, eps=eps, residual=residual, cos=cos, sin=sin,
-            rotated=rotated, out=out, prefetch_epilogue=prefetch_epilogue,
+            rotated=rotated, out=out,
         )  # fmt: skip
 
 
@@ -403,9 +389,6 @@ def _silu_and_mul_gemv_op(
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
     out: torch.Tensor,
-    prefetch_epilogue: bool = False,
 ) -> None:
     with on_device_of(gate):
-        gemv_kernels.gemv_triton(
-            gate, weight, bias, up=up, residual=residual, out=out, prefetch_epilogue=prefetch_epilogue
-        )
+        gemv_kernels.gemv_triton(gate, weight, bias, up=up, residual=residual, out=out)

@@ -94,13 +94,7 @@ def attention_forward(
 
     cos, sin = position_embeddings
     rotary = (cos, sin) if layer_ops.gemv_can_rotate(self.head_dim) else None
-    # cos and sin come from the step's start, many launches before a layer's q/k/v but the first's; and from this
-    # forward's caller only with the fork's decoder layer (``norm``), not through accelerate's hooks, which may copy
-    # them to the layer's device just before.
-    prefetch = norm is not None and self.layer_idx > 0
-    projected, rotated = _project(
-        self, hidden_states, ("q_proj", "k_proj", "v_proj"), norm, rotary=rotary, prefetch_epilogue=prefetch
-    )
+    projected, rotated = _project(self, hidden_states, ("q_proj", "k_proj", "v_proj"), norm, rotary=rotary)
     query_states, key_states, value_states = (states.view(hidden_shape).transpose(1, 2) for states in projected)
 
     if not rotated:
@@ -147,7 +141,6 @@ def _project(
     names: tuple[str, ...],
     norm: torch.nn.Module | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-    prefetch_epilogue: bool = False,
 ) -> tuple[tuple[torch.Tensor, ...], bool]:
     """``(outputs, rotated)``: the projections ``names`` of ``module`` applied to ``x``, or to ``norm(x)`` where a
     norm is given; ``rotated`` says whether the first two (q and k) also got the rotary embedding ``rotary``
@@ -156,9 +149,8 @@ def _project(
     Through the fused GEMM where the module has one (``names`` are then the ones it fused). On flashcore's one-row
     GEMV where :func:`_runs_gemv` and every projection is the fused one or a plain ``nn.Linear``: no hooks (tensor
     parallelism's are hooks) and no forward replaced by anything but ``onednn_linears``; the GEMV then computes the
-    norm too where that runs flashcore's (``runs_kernel_norm``), and the rotary embedding where one is given (with
-    ``prefetch_epilogue`` as :func:`flashcore.layer_ops.gemv` takes it). Otherwise each module, as the stock forward
-    calls it."""
+    norm too where that runs flashcore's (``runs_kernel_norm``), and the rotary embedding where one is given.
+    Otherwise each module, as the stock forward calls it."""
     fused = module.__dict__.get("_fused_projection") if len(names) > 1 else None
     linears = [fused] if fused is not None else [getattr(module, name) for name in names]
     one_row = _runs_gemv(module, x) and (fused is not None or all(map(_is_plain_linear, linears)))
@@ -167,7 +159,7 @@ def _project(
     if not one_row:
         return (fused(x) if fused is not None else tuple(linear(x) for linear in linears)), False
     folded = {} if norm is None else dict(norm_weight=norm.weight, eps=norm.variance_epsilon)
-    rotation = {} if rotary is None else dict(cos=rotary[0], sin=rotary[1], prefetch_epilogue=prefetch_epilogue)
+    rotation = {} if rotary is None else dict(cos=rotary[0], sin=rotary[1])
     if fused is not None:
         if rotary is not None:
             rotation["rotated"] = sum(fused.out_features[:2])  # the q and k rows of q/k/v
@@ -189,16 +181,12 @@ def _project_residual(
 ) -> torch.Tensor:
     """``residual + module.<name>(x)`` (the projection alone without a residual); with ``up``, of
     ``silu_and_mul(x, up)``, the down projection. Where :func:`_project` would run the GEMV, the residual and the
-    SiLU-and-mul run inside it, and the residual is loaded before the GEMV waits on the launch before it: a layer's
-    input (o) or its attention's output (down) comes from two launches back or more."""
+    SiLU-and-mul run inside it."""
     linear = getattr(module, name)
     if _runs_gemv(module, x) and _is_plain_linear(linear):
-        prefetch = residual is not None
         if up is None:
-            return layer_ops.gemv(x, linear.weight, linear.bias, residual=residual, prefetch_epilogue=prefetch)
-        return layer_ops.silu_and_mul_gemv(
-            x, up, linear.weight, linear.bias, residual=residual, prefetch_epilogue=prefetch
-        )
+            return layer_ops.gemv(x, linear.weight, linear.bias, residual=residual)
+        return layer_ops.silu_and_mul_gemv(x, up, linear.weight, linear.bias, residual=residual)
     out = linear(x if up is None else layer_ops.silu_and_mul(x, up))
     return out if residual is None else residual + out
 

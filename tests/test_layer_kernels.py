@@ -133,12 +133,11 @@ def test_gemv_matches_fp64_linear(n, k, leading, with_bias, dtype, device, gener
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, k", [(37, 100), (300, 2500)])
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
-@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch_epilogue"])
-def test_gemv_folds_the_residual_add_and_the_swiglu(n, k, with_bias, prefetch, dtype, device, generator):
+def test_gemv_folds_the_residual_add_and_the_swiglu(n, k, with_bias, dtype, device, generator):
     """The residual and the SwiGLU input inside the GEMV give the bits of the separate ops they replace: the GEMV,
     then PyTorch's ``residual + out`` (an fp32 add rounded once); ``silu_and_mul``, then the GEMV. Both checked
     against fp64 on their own above. The gate and up are the halves of one fused projection's output, as a decode
-    step's are. With ``prefetch_epilogue`` the residual is loaded first; the bits stay."""
+    step's are."""
     fused = randn((1, 1, 2 * k), generator=generator, dtype=dtype, device=device) * 4
     gate, up = fused.split(k, dim=-1)
     x = randn((1, 1, k), generator=generator, dtype=dtype, device=device)
@@ -146,9 +145,9 @@ def test_gemv_folds_the_residual_add_and_the_swiglu(n, k, with_bias, prefetch, d
     bias = randn((n,), generator=generator, dtype=dtype, device=device) if with_bias else None
     residual = randn((1, 1, n), generator=generator, dtype=dtype, device=device)
 
-    added = layer_ops.gemv(x, weight, bias, residual=residual, prefetch_epilogue=prefetch)
-    down = layer_ops.silu_and_mul_gemv(gate, up, weight, bias, prefetch_epilogue=prefetch)
-    down_added = layer_ops.silu_and_mul_gemv(gate, up, weight, bias, residual=residual, prefetch_epilogue=prefetch)
+    added = layer_ops.gemv(x, weight, bias, residual=residual)
+    down = layer_ops.silu_and_mul_gemv(gate, up, weight, bias)
+    down_added = layer_ops.silu_and_mul_gemv(gate, up, weight, bias, residual=residual)
 
     assert torch.equal(added, residual + layer_ops.gemv(x, weight, bias))
     separate = layer_ops.gemv(layer_ops.silu_and_mul(gate, up), weight, bias)
@@ -227,12 +226,10 @@ def test_gemv_of_a_parameter_takes_the_direct_launch(device, generator):
     "heads, head_dim, k", [((4, 2), 64, 100), ((6, 2), 16, 96), ((3, 1), 8, 2500)], ids=["d64", "d16", "d8_k2500"]
 )
 @pytest.mark.parametrize("fused", [True, False], ids=["q_k_v_fused", "q_alone"])
-@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch_epilogue"])
-def test_gemv_folds_the_rotary_embedding(heads, head_dim, k, fused, prefetch, dtype, device, generator):
+def test_gemv_folds_the_rotary_embedding(heads, head_dim, k, fused, dtype, device, generator):
     """``gemv(..., cos=, sin=, rotated=)`` gives the bits of the GEMV, then :func:`layer_ops.apply_rotary_embedding`
     (checked against HF's ``apply_rotary_pos_emb`` above) on its q and k rows; the v rows untouched. Fused: the q/k/v
-    projection of a decode step, ``rotated`` covering q and k; alone: a q projection, every row rotated. With
-    ``prefetch_epilogue`` cos and sin are loaded first; the bits stay."""
+    projection of a decode step, ``rotated`` covering q and k; alone: a q projection, every row rotated."""
     num_q, num_kv = heads
     sizes = [num_q * head_dim, num_kv * head_dim, num_kv * head_dim] if fused else [num_q * head_dim]
     x = randn((1, 1, k), generator=generator, dtype=dtype, device=device)
@@ -241,8 +238,7 @@ def test_gemv_folds_the_rotary_embedding(heads, head_dim, k, fused, prefetch, dt
     angles = randn((1, 1, head_dim // 2), generator=generator, dtype=torch.float32, device=device) * 100
     cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(dtype) for f in (torch.cos, torch.sin))
 
-    rotated_rows = sum(sizes[:2]) if fused else None
-    rotated = layer_ops.gemv(x, weight, bias, cos=cos, sin=sin, rotated=rotated_rows, prefetch_epilogue=prefetch)
+    rotated = layer_ops.gemv(x, weight, bias, cos=cos, sin=sin, rotated=sum(sizes[:2]) if fused else None)
 
     def heads_of(rows):  # [1, 1, H * D] -> [1, H, 1, D], as HF's attention views its projections
         return rows.view(1, 1, -1, head_dim).transpose(1, 2)

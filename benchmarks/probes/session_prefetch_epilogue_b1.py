@@ -1,4 +1,5 @@
-"""Issue 29: the GEMVs' residual and rotary rows loaded before their PDL wait, in a B=1 replayed step.
+"""Issue 29: the GEMVs' residual and rotary rows loaded before their PDL wait, in a B=1 replayed step (measured at
+7abada7, then removed: slower).
 
 A flashcore GEMV loads its first weight tile before ``gdc_wait``, but its epilogue's other operands after the K loop:
 the residual (o and down projections) and the rotary rows (q/k/v). Those loads wait on memory after the products are
@@ -11,7 +12,7 @@ process, the variants alternating over ``--rounds``:
 
 - ``after_wait``: every GEMV with ``prefetch_epilogue=False`` (the kernel before this change);
 - ``residual_first``: only the residual's load moved (o and down);
-- ``prefetch``: the default now, the residual and the rotary rows (q/k/v from the second layer on);
+- ``prefetch``: the residual and the rotary rows (q/k/v from the second layer on), the default at 7abada7;
 - ``..._compiled``: with ``compile=True``.
 
 Per variant: µs per replayed step, and the first step where its 32 greedy tokens part from ``after_wait``'s (None:

@@ -6,10 +6,7 @@ for the kernel before it to finish before it starts loading, and the kernel afte
 kernel launches with programmatic dependent launch (PDL) and loads its first weight tile *before* ``gdc_wait``: the
 weight does not depend on the kernel before it (a norm, the attention's merge), so those loads are in flight while
 that kernel still runs (entry 53). The weight must therefore not be written by the kernel just before; parameters
-never are. With ``PREFETCH_EPILOGUE`` the residual and the rotary rows are loaded there too, so that their latency
-leaves the end of the kernel: for a caller whose residual, cos and sin come from an earlier launch than the one just
-before. Every flashcore kernel releases its dependents only after its own wait, so when this kernel starts, every
-launch before the one just before it has finished.
+never are.
 
 Each program owns ``BLOCK_N`` outputs and walks K in ``BLOCK_K`` steps, accumulating ``w * x`` elementwise in fp32;
 one reduction per output at the end, then the bias, then one rounding to the output dtype.
@@ -74,34 +71,14 @@ def _rotary_rows(BLOCK_N: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _epilogue_operands(
-    residual_ptr, cos_ptr, sin_ptr, offs_n, mask_n, HAS_RESIDUAL: tl.constexpr, ROTARY: tl.constexpr,
-    BLOCK_N: tl.constexpr, HALF: tl.constexpr,
-):  # fmt: skip
-    """``(residual, cos_lo, cos_hi, sin_lo, sin_hi)``: what the epilogue reads besides the products (0.0 for what the
-    switches leave out): the residual at ``offs_n``, and the rotary rows of the pairs a rotating program owns, in
-    :func:`_rotary_rows`' order (loaded by every program; only those that rotate use them)."""
-    residual = 0.0
-    if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    cos_lo = 0.0
-    cos_hi = 0.0
-    sin_lo = 0.0
-    sin_hi = 0.0
-    if ROTARY:
-        PAIRS: tl.constexpr = BLOCK_N // 2
-        dims = (tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)) % HALF
-        cos_lo, cos_hi = tl.load(cos_ptr + dims).to(tl.float32), tl.load(cos_ptr + HALF + dims).to(tl.float32)
-        sin_lo, sin_hi = tl.load(sin_ptr + dims).to(tl.float32), tl.load(sin_ptr + HALF + dims).to(tl.float32)
-    return residual, cos_lo, cos_hi, sin_lo, sin_hi
-
-
-@triton.jit
-def _rotate_pairs(out, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
+def _rotate_pairs(out, cos_ptr, sin_ptr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
     """``out`` (rounded, in :func:`_rotary_rows`' order) rotated with ``layer_kernels.rotate_halves``, as the RoPE
-    kernel rotates it, by the rows :func:`_epilogue_operands` loaded."""
+    kernel rotates it."""
     PAIRS: tl.constexpr = BLOCK_N // 2
     lo, hi = tl.split(tl.trans(tl.reshape(out, (2, PAIRS))))
+    dims = (tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)) % HALF
+    cos_lo, cos_hi = tl.load(cos_ptr + dims).to(tl.float32), tl.load(cos_ptr + HALF + dims).to(tl.float32)
+    sin_lo, sin_hi = tl.load(sin_ptr + dims).to(tl.float32), tl.load(sin_ptr + HALF + dims).to(tl.float32)
     out_lo, out_hi = rotate_halves(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, EXACT)
     return tl.reshape(tl.trans(tl.join(out_lo, out_hi)), (BLOCK_N,))
 
@@ -132,7 +109,6 @@ def _gemv_kernel(
     HALF: tl.constexpr,  # D / 2; used only when ROTARY
     EXACT_ROTARY: tl.constexpr,  # layer_kernels.rotate_halves' EXACT
     USE_PDL: tl.constexpr,
-    PREFETCH_EPILOGUE: tl.constexpr,  # the residual and the rotary rows are loaded before gdc_wait
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if ROTARY:
@@ -144,10 +120,6 @@ def _gemv_kernel(
     # stage 1: the first weight tile, loaded while the kernel before may still run
     mask_k = offs_k < k
     w = tl.load(weight_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-    if PREFETCH_EPILOGUE:
-        residual, cos_lo, cos_hi, sin_lo, sin_hi = _epilogue_operands(
-            residual_ptr, cos_ptr, sin_ptr, offs_n, mask_n, HAS_RESIDUAL, ROTARY, BLOCK_N, HALF
-        )
     if USE_PDL:
         gdc_wait()  # x comes from the kernel before
         gdc_launch_dependents()
@@ -166,19 +138,16 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * _gemv_input(x, up_ptr, norm_weight_ptr, inv_rms, cols, mask_k, SWIGLU, NORM)[None, :]
 
     # epilogue
-    if not PREFETCH_EPILOGUE:
-        residual, cos_lo, cos_hi, sin_lo, sin_hi = _epilogue_operands(
-            residual_ptr, cos_ptr, sin_ptr, offs_n, mask_n, HAS_RESIDUAL, ROTARY, BLOCK_N, HALF
-        )
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     out = out.to(out_ptr.dtype.element_ty)
     if ROTARY:
         if tl.program_id(0) * BLOCK_N < rotated:
-            out = _rotate_pairs(out, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_N, EXACT_ROTARY)
+            out = _rotate_pairs(out, cos_ptr, sin_ptr, BLOCK_N, HALF, EXACT_ROTARY)
     if HAS_RESIDUAL:
-        out = (out.to(tl.float32) + residual).to(out_ptr.dtype.element_ty)
+        residual = tl.load(residual_ptr + offs_n, mask=mask_n, other=0.0)
+        out = (out.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_n, out, mask=mask_n)
 
 
@@ -219,15 +188,13 @@ def gemv_triton(
     sin: torch.Tensor | None = None,
     rotated: int = 0,
     out: torch.Tensor | None = None,
-    prefetch_epilogue: bool = False,
 ) -> torch.Tensor:
     """``x`` ``[K]`` contiguous, ``weight`` ``[N, K]`` with unit stride along K, ``bias`` ``[N]`` or None; returns
     ``out`` (``[N]`` contiguous of ``x``'s dtype; a new one if None). With ``up`` (``[K]`` contiguous) the input is
     ``silu(x) * up``; with ``norm_weight`` (``[K]``) it is ``rms_norm(x, norm_weight, eps)``; with ``residual``
     (``[N]`` contiguous) that is added to the output; with ``cos`` and ``sin`` (one row of D each, unit stride) the
     outputs ``[0, rotated)``, heads of D with ``rotated`` a multiple of D and D of ``block_n``, get the rotary
-    embedding. ``prefetch_epilogue``: the residual, cos and sin are loaded before the PDL wait (none of them may be
-    written by the launch just before).
+    embedding.
     ``config`` overrides :func:`gemv_config` (probes sweep it; it may also set ``num_stages``, 1 otherwise, and
     ``maxnreg``)."""
     n, k = weight.shape
@@ -248,7 +215,7 @@ def gemv_triton(
             BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], SWIGLU=up is not None,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
             ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, EXACT_ROTARY=x.is_cuda,
-            USE_PDL=use_pdl, PREFETCH_EPILOGUE=prefetch_epilogue,
+            USE_PDL=use_pdl,
         ),
         num_warps=config["num_warps"],
         num_stages=config.get("num_stages", 1),
