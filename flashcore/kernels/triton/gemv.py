@@ -71,9 +71,41 @@ def _rotary_rows(BLOCK_N: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rotate_pairs(out, cos_ptr, sin_ptr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
+def _epilogue_operands(
+    residual_ptr, cos_ptr, sin_ptr, offs_n, mask_n, HAS_RESIDUAL: tl.constexpr, ROTARY: tl.constexpr,
+    BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """``(residual, cos_lo, cos_hi, sin_lo, sin_hi)``: what the epilogue reads besides the products (0.0 for what the
+    switches leave out): the residual at ``offs_n``, and the rotary rows of the pairs a rotating program owns, in
+    :func:`_rotary_rows`' order (loaded by every program; only those that rotate use them)."""
+    residual = 0.0
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    cos_lo = 0.0
+    cos_hi = 0.0
+    sin_lo = 0.0
+    sin_hi = 0.0
+    if ROTARY:
+        PAIRS: tl.constexpr = BLOCK_N // 2
+        dims = (tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)) % HALF
+        cos_lo, cos_hi = tl.load(cos_ptr + dims).to(tl.float32), tl.load(cos_ptr + HALF + dims).to(tl.float32)
+        sin_lo, sin_hi = tl.load(sin_ptr + dims).to(tl.float32), tl.load(sin_ptr + HALF + dims).to(tl.float32)
+    return residual, cos_lo, cos_hi, sin_lo, sin_hi
+
+
+@triton.jit
+def _rotate_pairs(out, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
     """``out`` (rounded, in :func:`_rotary_rows`' order) rotated with ``layer_kernels.rotate_halves``, as the RoPE
-    kernel rotates it."""
+    kernel rotates it, by the rows :func:`_epilogue_operands` loaded."""
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    lo, hi = tl.split(tl.trans(tl.reshape(out, (2, PAIRS))))
+    out_lo, out_hi = rotate_halves(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, EXACT)
+    return tl.reshape(tl.trans(tl.join(out_lo, out_hi)), (BLOCK_N,))
+
+
+@triton.jit
+def _rotate_pairs_loading(out, cos_ptr, sin_ptr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
+    """:func:`_rotate_pairs` loading its rows itself (the placement before EPILOGUE_LOADS_FIRST)."""
     PAIRS: tl.constexpr = BLOCK_N // 2
     lo, hi = tl.split(tl.trans(tl.reshape(out, (2, PAIRS))))
     dims = (tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)) % HALF
@@ -109,6 +141,7 @@ def _gemv_kernel(
     HALF: tl.constexpr,  # D / 2; used only when ROTARY
     EXACT_ROTARY: tl.constexpr,  # layer_kernels.rotate_halves' EXACT
     USE_PDL: tl.constexpr,
+    LOADS_FIRST: tl.constexpr,  # the epilogue's loads issued right after the K loop, before the reduction
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if ROTARY:
@@ -138,16 +171,24 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * _gemv_input(x, up_ptr, norm_weight_ptr, inv_rms, cols, mask_k, SWIGLU, NORM)[None, :]
 
     # epilogue
+    if LOADS_FIRST:
+        residual, cos_lo, cos_hi, sin_lo, sin_hi = _epilogue_operands(
+            residual_ptr, cos_ptr, sin_ptr, offs_n, mask_n, HAS_RESIDUAL, ROTARY, BLOCK_N, HALF
+        )
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     out = out.to(out_ptr.dtype.element_ty)
     if ROTARY:
         if tl.program_id(0) * BLOCK_N < rotated:
-            out = _rotate_pairs(out, cos_ptr, sin_ptr, BLOCK_N, HALF, EXACT_ROTARY)
+            if LOADS_FIRST:
+                out = _rotate_pairs(out, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_N, EXACT_ROTARY)
+            else:
+                out = _rotate_pairs_loading(out, cos_ptr, sin_ptr, BLOCK_N, HALF, EXACT_ROTARY)
     if HAS_RESIDUAL:
-        residual = tl.load(residual_ptr + offs_n, mask=mask_n, other=0.0)
-        out = (out.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        if not LOADS_FIRST:
+            residual = tl.load(residual_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + residual).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_n, out, mask=mask_n)
 
 
@@ -155,6 +196,9 @@ _launch_gemv = CachedLauncher(_gemv_kernel)
 
 
 BLOCK_N = 8  # outputs per program; a rotated head's D must be a multiple of it
+# Where the epilogue loads the residual and the rotary rows: right after the K loop (True) or where it uses them.
+# A switch for benchmarks/probes/session_epilogue_loads_b1.py, until it has measured the two.
+EPILOGUE_LOADS_FIRST = True
 
 
 def gemv_config(n: int, k: int) -> dict:
@@ -215,7 +259,7 @@ def gemv_triton(
             BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], SWIGLU=up is not None,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
             ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, EXACT_ROTARY=x.is_cuda,
-            USE_PDL=use_pdl,
+            USE_PDL=use_pdl, LOADS_FIRST=EPILOGUE_LOADS_FIRST,
         ),
         num_warps=config["num_warps"],
         num_stages=config.get("num_stages", 1),
