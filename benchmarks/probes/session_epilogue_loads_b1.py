@@ -1,4 +1,5 @@
-"""Issue 29: where a GEMV's epilogue loads its residual and rotary rows, in a B=1 replayed step.
+"""Issue 29: where a GEMV's epilogue loads its residual and rotary rows, in a B=1 replayed step (measured at 1ca2023;
+``after_loop`` kept, then the switch removed).
 
 ``flashcore/kernels/triton/gemv.py`` loaded the residual (o and down projections) and the rotary rows (q/k/v) where the
 epilogue uses them: after the reduction and the rounding, the rotary rows inside the branch of the programs that

@@ -9,7 +9,9 @@ that kernel still runs (entry 53). The weight must therefore not be written by t
 never are.
 
 Each program owns ``BLOCK_N`` outputs and walks K in ``BLOCK_K`` steps, accumulating ``w * x`` elementwise in fp32;
-one reduction per output at the end, then the bias, then one rounding to the output dtype.
+one reduction per output at the end, then the bias, then one rounding to the output dtype. The epilogue's other
+operands (the residual, the rotary rows) are loaded right after the K loop, before that reduction: loaded where they
+are used, each was a memory latency in series at the end of the kernel, 6-8 µs a B=1 step (entry 58).
 
 Four options fold the decoder layer's neighbouring work into the GEMV, each one launch fewer per use:
 
@@ -104,18 +106,6 @@ def _rotate_pairs(out, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_N: tl.constexpr, EX
 
 
 @triton.jit
-def _rotate_pairs_loading(out, cos_ptr, sin_ptr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, EXACT: tl.constexpr):
-    """:func:`_rotate_pairs` loading its rows itself (the placement before EPILOGUE_LOADS_FIRST)."""
-    PAIRS: tl.constexpr = BLOCK_N // 2
-    lo, hi = tl.split(tl.trans(tl.reshape(out, (2, PAIRS))))
-    dims = (tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)) % HALF
-    cos_lo, cos_hi = tl.load(cos_ptr + dims).to(tl.float32), tl.load(cos_ptr + HALF + dims).to(tl.float32)
-    sin_lo, sin_hi = tl.load(sin_ptr + dims).to(tl.float32), tl.load(sin_ptr + HALF + dims).to(tl.float32)
-    out_lo, out_hi = rotate_halves(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, EXACT)
-    return tl.reshape(tl.trans(tl.join(out_lo, out_hi)), (BLOCK_N,))
-
-
-@triton.jit
 def _gemv_kernel(
     x_ptr,  # [K]; the gate row when SWIGLU
     up_ptr,  # [K]; read only when SWIGLU
@@ -141,7 +131,6 @@ def _gemv_kernel(
     HALF: tl.constexpr,  # D / 2; used only when ROTARY
     EXACT_ROTARY: tl.constexpr,  # layer_kernels.rotate_halves' EXACT
     USE_PDL: tl.constexpr,
-    LOADS_FIRST: tl.constexpr,  # the epilogue's loads issued right after the K loop, before the reduction
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if ROTARY:
@@ -170,24 +159,18 @@ def _gemv_kernel(
         x = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
         acc += w.to(tl.float32) * _gemv_input(x, up_ptr, norm_weight_ptr, inv_rms, cols, mask_k, SWIGLU, NORM)[None, :]
 
-    # epilogue
-    if LOADS_FIRST:
-        residual, cos_lo, cos_hi, sin_lo, sin_hi = _epilogue_operands(
-            residual_ptr, cos_ptr, sin_ptr, offs_n, mask_n, HAS_RESIDUAL, ROTARY, BLOCK_N, HALF
-        )
+    # epilogue: its loads first, so that their latency overlaps the reduction (entry 58)
+    residual, cos_lo, cos_hi, sin_lo, sin_hi = _epilogue_operands(
+        residual_ptr, cos_ptr, sin_ptr, offs_n, mask_n, HAS_RESIDUAL, ROTARY, BLOCK_N, HALF
+    )
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     out = out.to(out_ptr.dtype.element_ty)
     if ROTARY:
         if tl.program_id(0) * BLOCK_N < rotated:
-            if LOADS_FIRST:
-                out = _rotate_pairs(out, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_N, EXACT_ROTARY)
-            else:
-                out = _rotate_pairs_loading(out, cos_ptr, sin_ptr, BLOCK_N, HALF, EXACT_ROTARY)
+            out = _rotate_pairs(out, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_N, EXACT_ROTARY)
     if HAS_RESIDUAL:
-        if not LOADS_FIRST:
-            residual = tl.load(residual_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         out = (out.to(tl.float32) + residual).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_n, out, mask=mask_n)
 
@@ -196,9 +179,6 @@ _launch_gemv = CachedLauncher(_gemv_kernel)
 
 
 BLOCK_N = 8  # outputs per program; a rotated head's D must be a multiple of it
-# Where the epilogue loads the residual and the rotary rows: right after the K loop (True) or where it uses them.
-# A switch for benchmarks/probes/session_epilogue_loads_b1.py, until it has measured the two.
-EPILOGUE_LOADS_FIRST = True
 
 
 def gemv_config(n: int, k: int) -> dict:
@@ -259,7 +239,7 @@ def gemv_triton(
             BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], SWIGLU=up is not None,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
             ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, EXACT_ROTARY=x.is_cuda,
-            USE_PDL=use_pdl, LOADS_FIRST=EPILOGUE_LOADS_FIRST,
+            USE_PDL=use_pdl,
         ),
         num_warps=config["num_warps"],
         num_stages=config.get("num_stages", 1),
