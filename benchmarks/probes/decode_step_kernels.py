@@ -134,7 +134,7 @@ def gemv_compilations() -> dict:
     from flashcore.kernels.triton import gemv
 
     kernel = gemv._gemv_kernel
-    switches = ("BLOCK_N", "BLOCK_K", "NORM", "SWIGLU", "ROTARY", "HAS_RESIDUAL")
+    switches = ("BLOCK_N", "BLOCK_K", "NORM", "SWIGLU", "ROTARY", "HAS_RESIDUAL", "NEXT_TILE_FIRST")
     rows = []
     for device_cache in kernel.device_caches.values():
         for compiled in device_cache[0].values():
