@@ -131,7 +131,6 @@ def _gemv_kernel(
     HALF: tl.constexpr,  # D / 2; used only when ROTARY
     EXACT_ROTARY: tl.constexpr,  # layer_kernels.rotate_halves' EXACT
     USE_PDL: tl.constexpr,
-    NEXT_TILE_FIRST: tl.constexpr,  # each K step's weight tile loaded before the step ahead of it computes
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if ROTARY:
@@ -146,10 +145,6 @@ def _gemv_kernel(
     if USE_PDL:
         gdc_wait()  # x comes from the kernel before
         gdc_launch_dependents()
-    if NEXT_TILE_FIRST:
-        # the second tile's load goes out before the first step's input (and the norm's sum) is read
-        cols = BLOCK_K + offs_k
-        w_next = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & (cols < k)[None, :], other=0.0)
     x = tl.load(x_ptr + offs_k, mask=mask_k, other=0.0)
     inv_rms = 1.0
     if NORM:
@@ -160,14 +155,7 @@ def _gemv_kernel(
     for start in range(BLOCK_K, k, BLOCK_K):
         cols = start + offs_k
         mask_k = cols < k
-        if NEXT_TILE_FIRST:
-            w = w_next
-            cols_next = cols + BLOCK_K  # past K on the last step: a load masked off entirely
-            w_next = tl.load(
-                weight_rows + cols_next[None, :], mask=mask_n[:, None] & (cols_next < k)[None, :], other=0.0
-            )
-        else:
-            w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(x_ptr + cols, mask=mask_k, other=0.0)
         acc += w.to(tl.float32) * _gemv_input(x, up_ptr, norm_weight_ptr, inv_rms, cols, mask_k, SWIGLU, NORM)[None, :]
 
@@ -191,9 +179,6 @@ _launch_gemv = CachedLauncher(_gemv_kernel)
 
 
 BLOCK_N = 8  # outputs per program; a rotated head's D must be a multiple of it
-# Whether each K step's weight tile is loaded before the step ahead of it computes (the kernel's NEXT_TILE_FIRST):
-# a switch for benchmarks/probes/session_next_tile_b1.py, until it has measured the two.
-NEXT_TILE_FIRST = True
 
 
 def gemv_config(n: int, k: int) -> dict:
@@ -254,7 +239,7 @@ def gemv_triton(
             BLOCK_N=config["block_n"], BLOCK_K=config["block_k"], SWIGLU=up is not None,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
             ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, EXACT_ROTARY=x.is_cuda,
-            USE_PDL=use_pdl, NEXT_TILE_FIRST=NEXT_TILE_FIRST,
+            USE_PDL=use_pdl,
         ),
         num_warps=config["num_warps"],
         num_stages=config.get("num_stages", 1),
