@@ -53,6 +53,9 @@ if common.HAS_GLUON:
     )
 
 NAME = "gluon_sm90.decode"
+# Probe switch (benchmarks/probes/session_decode_loads_b1.py): read seq_lens and issue the first K/V copies before
+# the PDL wait, which then holds only the loads of q and the new token's K/V (the previous kernel's outputs).
+LOADS_BEFORE_WAIT = False
 CONFIG = configs.GLUON_DECODE
 
 
@@ -73,10 +76,20 @@ if common.HAS_GLUON:
     _PRODUCER_REGISTERS = gl.constexpr(24)  # the least a warp can hold; the producer only computes addresses
 
     @gluon.jit
+    def _wait_for_previous_grid():
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _launch_dependents():
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+    @gluon.jit
     def _stream_kv_tiles(
         k_desc, v_desc, k_tiles, v_tiles, ready, empty, seq_lens_ptr, row_tickets_ptr,
         batch, new_seq_len, row_base, col, lo, num_tiles, num_row_programs,
-        ADVANCE_SEQ_LENS: gl.constexpr, BLOCK_N: gl.constexpr,
+        ADVANCE_SEQ_LENS: gl.constexpr, BLOCK_N: gl.constexpr, WAIT_IN_PARTITIONS: gl.constexpr,
     ):  # fmt: skip
         """The producer warp: fills the stages in turn, each as soon as the consumers hand it back."""
         NUM_STAGES: gl.constexpr = k_tiles.type.shape[0]
@@ -94,6 +107,8 @@ if common.HAS_GLUON:
             # hand-back means every one of them is past that read.
             if num_tiles <= NUM_STAGES:
                 mbarrier.wait(empty.index(0), 0)
+            if WAIT_IN_PARTITIONS:
+                _wait_for_previous_grid()
             advance_seq_lens_after_last_program(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_row_programs)
 
     @gluon.jit
@@ -106,8 +121,14 @@ if common.HAS_GLUON:
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         USE_SPLIT_KV: gl.constexpr, MERGE_IN_LAUNCH: gl.constexpr, SPLITS_PAD: gl.constexpr,
         MERGE_ROWS: gl.constexpr, ADVANCE_SEQ_LENS: gl.constexpr, NUM_WARPS: gl.constexpr,
+        WAIT_IN_PARTITIONS: gl.constexpr,
     ):  # fmt: skip
         """The consumer warps: online softmax over the stages as they land, then the epilogue."""
+        if WAIT_IN_PARTITIONS:
+            # The producer's first copies are in flight: q and the new K/V are the previous kernel's outputs.
+            _wait_for_previous_grid()
+            if USE_SPLIT_KV and not MERGE_IN_LAUNCH:
+                _launch_dependents()
         NUM_STAGES: gl.constexpr = k_tiles.type.shape[0]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
         a_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -244,14 +265,14 @@ if common.HAS_GLUON:
         MERGE_ROWS: gl.constexpr,  # MERGE_IN_LAUNCH only: query heads merged per step (bounds its registers)
         USE_PDL: gl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
         NUM_WARPS: gl.constexpr,  # the consumer warps (the kernel's num_warps)
+        LOADS_BEFORE_WAIT: gl.constexpr,  # with USE_PDL: seq_lens and the first K/V copies before the PDL wait
     ):  # fmt: skip
         # -- programmatic dependent launch (see the Triton kernel) --
-        if USE_PDL:
-            gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        WAIT_IN_PARTITIONS: gl.constexpr = USE_PDL and LOADS_BEFORE_WAIT
+        if USE_PDL and not LOADS_BEFORE_WAIT:
+            _wait_for_previous_grid()
             if USE_SPLIT_KV and not MERGE_IN_LAUNCH:
-                gl.inline_asm_elementwise(
-                    "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-                )
+                _launch_dependents()
 
         # -- row metadata --
         pid_bh = gl.program_id(0)
@@ -293,7 +314,7 @@ if common.HAS_GLUON:
                         batch, kv_head, split, num_splits, seq_len, row_new, seq_len_before + row_new, lo, hi,
                         num_tiles, row_base, col, row_stride, num_kv_heads, capacity, qk_scale,
                         GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, USE_SPLIT_KV, MERGE_IN_LAUNCH, SPLITS_PAD, MERGE_ROWS,
-                        ADVANCE_SEQ_LENS, NUM_WARPS,
+                        ADVANCE_SEQ_LENS, NUM_WARPS, WAIT_IN_PARTITIONS,
                     ),
                 ),
                 (
@@ -301,7 +322,7 @@ if common.HAS_GLUON:
                     (
                         k_desc, v_desc, k_tiles, v_tiles, ready, empty, seq_lens_ptr, row_tickets_ptr,
                         batch, seq_len_before + row_new, row_base, col, lo, num_tiles, num_kv_heads,
-                        ADVANCE_SEQ_LENS, BLOCK_N,
+                        ADVANCE_SEQ_LENS, BLOCK_N, WAIT_IN_PARTITIONS,
                     ),
                 ),
             ],
@@ -408,6 +429,7 @@ def _launch(call: KernelCall, out: torch.Tensor, merge_in_launch: bool, bound_ke
         MERGE_ROWS=merge_rows,
         USE_PDL=use_pdl,
         NUM_WARPS=CONFIG.num_consumer_warps,
+        LOADS_BEFORE_WAIT=LOADS_BEFORE_WAIT,
     )
     options = dict(
         num_warps=CONFIG.num_consumer_warps, num_stages=CONFIG.num_stages, launch_pdl=use_pdl,
