@@ -273,3 +273,61 @@ def test_ops_runs_it_eagerly_and_captured_with_the_same_bits(batch, with_query_l
     assert torch.equal(replayed, eager)
     for replayed_part, eager_part in zip(inputs.cache, eager_cache, strict=True):
         assert torch.equal(replayed_part.nan_to_num(), eager_part.nan_to_num())
+
+
+@hopper_only
+@pytest.mark.parametrize("heads, head_dim", [((9, 3), 64), ((32, 8), 128)], ids=["smol", "gqa"])
+def test_calls_back_to_back_on_one_cache_captured(heads, head_dim, device, generator, kernels_run):
+    """Calls on one cache with nothing between them, captured into one CUDA graph: decode, decode, a 3-token call
+    (a prefill kernel), decode, decode, each with its prefix split and merged in a second launch. Under
+    programmatic dependent launch each attention launch starts while the merge before it runs, and this kernel
+    reads seq_lens and the cached prefix before its wait; it must see the call before it complete. The replay gives
+    the eager calls' bits, and each eager call is checked against the fp64 oracle."""
+    num_new = [1, 1, 3, 1, 1]
+    seq_len = int(torch.randint(1000, 1400, (1,), generator=generator))
+    capacity = seq_len + sum(num_new) + 8
+    num_q_heads, num_kv_heads = heads
+    first = make_call_inputs(
+        randn, generator=generator, dtype=torch.bfloat16, device=device, num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads, num_new=1, head_dim=head_dim, capacity=capacity, seq_lens=[seq_len],
+        query_lens=[1],
+    )  # fmt: skip
+    cache_before = tuple(tensor.clone() for tensor in first.cache)
+    qkv = [
+        tuple(
+            randn((1, heads_, n, head_dim), generator=generator, dtype=torch.bfloat16, device=device)
+            for heads_ in (num_q_heads, num_kv_heads, num_kv_heads)
+        )
+        for n in num_new
+    ]
+    eager = []
+    for step, (query, key, value) in enumerate(qkv):
+        inputs = dataclasses.replace(
+            first, query=query, key=key, value=value, seq_lens=[seq_len + sum(num_new[:step])],
+            query_lens=[num_new[step]], k_cache_before=first.cache[0].clone(), v_cache_before=first.cache[1].clone(),
+        )  # fmt: skip
+        out, cache = flashcore.attention_with_kv_cache(query, key, value, inputs.cache)
+        check_call(inputs, out, cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
+        eager.append(out)
+    assert kernels_run[:2] == kernels_run[3:] == [gluon_decode.NAME] * 2  # the 3-token call: a prefill kernel
+    eager_cache = tuple(tensor.clone() for tensor in first.cache)
+
+    def restore():
+        for tensor, before in zip(first.cache, cache_before, strict=True):
+            tensor.copy_(before)
+
+    restore()
+    with kernels_as_captured():  # compiles what the capture runs (see the test above)
+        for query, key, value in qkv:
+            flashcore.attention_with_kv_cache(query, key, value, first.cache)
+    restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = [flashcore.attention_with_kv_cache(query, key, value, first.cache)[0] for query, key, value in qkv]
+    restore()
+    graph.replay()
+    torch.cuda.synchronize()
+    for replayed_out, eager_out in zip(replayed, eager, strict=True):
+        assert torch.equal(replayed_out, eager_out)
+    for replayed_part, eager_part in zip(first.cache, eager_cache, strict=True):
+        assert torch.equal(replayed_part.nan_to_num(), eager_part.nan_to_num())

@@ -1,4 +1,5 @@
-"""Issue 29: the Gluon decode kernel's first K/V copies issued before its PDL wait, in a B=1 replayed step.
+"""Issue 29: the Gluon decode kernel's first K/V copies issued before its PDL wait, in a B=1 replayed step (measured
+at 8ce7c0a; ``loads_first`` kept, then the switch removed).
 
 At B=1 on the Llama-3.2-1B shape the decode kernel's programs each attend one 64-key tile (12 splits of 8 KV heads at
 a capacity of 768), so the kernel is a chain of latencies: the PDL wait, the load of ``seq_lens``, the TMA copies of

@@ -16,11 +16,14 @@ it on each of 20 decode rows of bench_attention, most on the short ones such as 
 
 Grid ``(B * H_kv, KV splits)``, GQA packed as in the Triton kernel: one program attends the ``GROUP`` query heads
 of one KV head, padded to a 16-row mma.sync tile. The cached prefix ``[0, L_b)`` is split into equal runs of key
-tiles; split 0 appends the new token's K/V at ``L_b``, the last split attends to it from ``key``/``value``. With
-one split the row's last program advances ``seq_lens``. With more, the splits are merged where the Triton kernel
-merges its own (``triton/split_merge.py``): eagerly, by the last split of each (batch, KV head) to finish, in this
-launch, since a second launch would double the host time, which is an eager call's cost; under capture, by the
-Triton merge launch. That merge advances ``seq_lens`` too, and both give the same bits.
+tiles; split 0 appends the new token's K/V at ``L_b``, the last split attends to it from ``key``/``value``. The
+splits are merged where the Triton kernel merges its own (``triton/split_merge.py``): eagerly, by the last split of
+each (batch, KV head) to finish, in this launch, since a second launch would double the host time, which is an eager
+call's cost; under capture, by the Triton merge launch. Both give the same bits. Either way this launch advances
+``seq_lens``, by the row's last program to take its ticket.
+
+Under programmatic dependent launch the producer issues its first copies before the wait for the previous kernel:
+only ``q`` and the new token's K/V come from that kernel (see the kernel's comment).
 """
 
 from __future__ import annotations
@@ -53,9 +56,6 @@ if common.HAS_GLUON:
     )
 
 NAME = "gluon_sm90.decode"
-# Probe switch (benchmarks/probes/session_decode_loads_b1.py): read seq_lens and issue the first K/V copies before
-# the PDL wait, which then holds only the loads of q and the new token's K/V (the previous kernel's outputs).
-LOADS_BEFORE_WAIT = False
 CONFIG = configs.GLUON_DECODE
 
 
@@ -89,7 +89,7 @@ if common.HAS_GLUON:
     def _stream_kv_tiles(
         k_desc, v_desc, k_tiles, v_tiles, ready, empty, seq_lens_ptr, row_tickets_ptr,
         batch, new_seq_len, row_base, col, lo, num_tiles, num_row_programs,
-        ADVANCE_SEQ_LENS: gl.constexpr, BLOCK_N: gl.constexpr, WAIT_IN_PARTITIONS: gl.constexpr,
+        ADVANCE_SEQ_LENS: gl.constexpr, BLOCK_N: gl.constexpr, USE_PDL: gl.constexpr,
     ):  # fmt: skip
         """The producer warp: fills the stages in turn, each as soon as the consumers hand it back."""
         NUM_STAGES: gl.constexpr = k_tiles.type.shape[0]
@@ -107,7 +107,7 @@ if common.HAS_GLUON:
             # hand-back means every one of them is past that read.
             if num_tiles <= NUM_STAGES:
                 mbarrier.wait(empty.index(0), 0)
-            if WAIT_IN_PARTITIONS:
+            if USE_PDL:  # the previous kernel has finished with every seq_lens before this one writes one
                 _wait_for_previous_grid()
             advance_seq_lens_after_last_program(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_row_programs)
 
@@ -121,11 +121,11 @@ if common.HAS_GLUON:
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         USE_SPLIT_KV: gl.constexpr, MERGE_IN_LAUNCH: gl.constexpr, SPLITS_PAD: gl.constexpr,
         MERGE_ROWS: gl.constexpr, ADVANCE_SEQ_LENS: gl.constexpr, NUM_WARPS: gl.constexpr,
-        WAIT_IN_PARTITIONS: gl.constexpr,
+        USE_PDL: gl.constexpr,
     ):  # fmt: skip
         """The consumer warps: online softmax over the stages as they land, then the epilogue."""
-        if WAIT_IN_PARTITIONS:
-            # The producer's first copies are in flight: q and the new K/V are the previous kernel's outputs.
+        if USE_PDL:
+            # While the producer's first copies are in flight: q and the new K/V are the previous kernel's outputs.
             _wait_for_previous_grid()
             if USE_SPLIT_KV and not MERGE_IN_LAUNCH:
                 _launch_dependents()
@@ -265,15 +265,14 @@ if common.HAS_GLUON:
         MERGE_ROWS: gl.constexpr,  # MERGE_IN_LAUNCH only: query heads merged per step (bounds its registers)
         USE_PDL: gl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
         NUM_WARPS: gl.constexpr,  # the consumer warps (the kernel's num_warps)
-        LOADS_BEFORE_WAIT: gl.constexpr,  # with USE_PDL: seq_lens and the first K/V copies before the PDL wait
     ):  # fmt: skip
-        # -- programmatic dependent launch (see the Triton kernel) --
-        WAIT_IN_PARTITIONS: gl.constexpr = USE_PDL and LOADS_BEFORE_WAIT
-        if USE_PDL and not LOADS_BEFORE_WAIT:
-            _wait_for_previous_grid()
-            if USE_SPLIT_KV and not MERGE_IN_LAUNCH:
-                _launch_dependents()
-
+        # -- programmatic dependent launch --
+        # This launch may start while the previous kernel (the q/k/v projection) still runs. Everything up to the
+        # consumers' loads of q and the new K/V reads what that kernel cannot be writing: seq_lens, query_lens and
+        # the cached prefix, written by this cache's attention launches (which advance seq_lens before they finish,
+        # and are followed by a merge or finish before the next kernel starts) or by kernels launched without PDL,
+        # which finish first. So the producer's first copies go out before the wait, which only the consumer warps
+        # take, before those loads (benchmarks/NOTES.md, entry 59). The producer waits before it writes seq_lens.
         # -- row metadata --
         pid_bh = gl.program_id(0)
         split = gl.program_id(1)
@@ -302,7 +301,9 @@ if common.HAS_GLUON:
             mbarrier.init(ready.index(stage), count=1)
             mbarrier.init(empty.index(stage), count=1)
 
-        ADVANCE_SEQ_LENS: gl.constexpr = not USE_SPLIT_KV  # with splits, the merge (in or after this launch) does
+        # Every program of the row takes the seq_lens ticket, unless the splits merge in this launch, where the last
+        # split of each KV head takes it once it has merged.
+        ADVANCE_SEQ_LENS: gl.constexpr = not MERGE_IN_LAUNCH
         gl.warp_specialize(
             [
                 (
@@ -314,15 +315,15 @@ if common.HAS_GLUON:
                         batch, kv_head, split, num_splits, seq_len, row_new, seq_len_before + row_new, lo, hi,
                         num_tiles, row_base, col, row_stride, num_kv_heads, capacity, qk_scale,
                         GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, USE_SPLIT_KV, MERGE_IN_LAUNCH, SPLITS_PAD, MERGE_ROWS,
-                        ADVANCE_SEQ_LENS, NUM_WARPS, WAIT_IN_PARTITIONS,
+                        ADVANCE_SEQ_LENS, NUM_WARPS, USE_PDL,
                     ),
                 ),
                 (
                     _stream_kv_tiles,
                     (
                         k_desc, v_desc, k_tiles, v_tiles, ready, empty, seq_lens_ptr, row_tickets_ptr,
-                        batch, seq_len_before + row_new, row_base, col, lo, num_tiles, num_kv_heads,
-                        ADVANCE_SEQ_LENS, BLOCK_N, WAIT_IN_PARTITIONS,
+                        batch, seq_len_before + row_new, row_base, col, lo, num_tiles, num_kv_heads * num_splits,
+                        ADVANCE_SEQ_LENS, BLOCK_N, USE_PDL,
                     ),
                 ),
             ],
@@ -429,7 +430,6 @@ def _launch(call: KernelCall, out: torch.Tensor, merge_in_launch: bool, bound_ke
         MERGE_ROWS=merge_rows,
         USE_PDL=use_pdl,
         NUM_WARPS=CONFIG.num_consumer_warps,
-        LOADS_BEFORE_WAIT=LOADS_BEFORE_WAIT,
     )
     options = dict(
         num_warps=CONFIG.num_consumer_warps, num_stages=CONFIG.num_stages, launch_pdl=use_pdl,
@@ -437,7 +437,7 @@ def _launch(call: KernelCall, out: torch.Tensor, merge_in_launch: bool, bound_ke
     )  # fmt: skip
     _launch_decode(launch_grid, args, constexprs, **options)
     if num_splits > 1 and not merge_in_launch:
-        split_merge.merge_kv_splits(partial_out, partial_lse, out, seq_lens, query_lens)
+        split_merge.merge_kv_splits(partial_out, partial_lse, out)
     if bound_key is not None:
         bound = _launch_decode.bind(launch_grid, args, constexprs, varying=_VARYING, **options)
         if bound is not None:

@@ -38,7 +38,7 @@ def _attention_with_kv_cache_kernel(
     v_ptr,  # [B, H_kv, S_q, D]
     k_cache_ptr,  # [B, H_kv, S_max, D]
     v_cache_ptr,  # [B, H_kv, S_max, D]
-    seq_lens_ptr,  # [B] int32: tokens cached before this call; only read here
+    seq_lens_ptr,  # [B] int32: tokens cached before this call; the row's last program advances it
     query_lens_ptr,  # [B] int32: valid new tokens per row; only read when HAS_QUERY_LENS
     out_ptr,  # [B, H_q, S_q, D], contiguous
     partial_out_ptr,  # USE_SPLIT_KV only: [B * H_q * S_q, splits, D] fp32 normalised partial outputs
@@ -257,7 +257,11 @@ def _attention_with_kv_cache_kernel(
                 _advance_seq_lens_after_last_tile(
                     seq_lens_ptr, row_tickets_ptr, batch, seq_len_before + row_new, num_m_blocks * num_kv_heads
                 )
-        # Otherwise the merge launch that follows writes out and advances seq_lens.
+        else:
+            # The merge launch that follows writes out; the row's seq_lens is advanced here, by its last program.
+            _advance_seq_lens_after_last_tile(
+                seq_lens_ptr, row_tickets_ptr, batch, seq_len_before + row_new, num_m_blocks * num_kv_heads * num_splits
+            )
     else:
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_out)
         _advance_seq_lens_after_last_tile(
@@ -305,7 +309,7 @@ def supports(call: KernelCall) -> bool:
 
 def run(call: KernelCall) -> torch.Tensor:
     """One launch (append, attention, split merge, seq_lens update); a split prefix merged in a second launch
-    under graph capture (``split_merge.merges_in_attention_launch``)."""
+    (which leaves seq_lens to this one) under graph capture (``split_merge.merges_in_attention_launch``)."""
     query, key, value, k_cache, v_cache, seq_lens, query_lens, is_causal, scale, sliding_window = call
     batch, num_q_heads, num_new, head_dim = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
@@ -358,5 +362,5 @@ def run(call: KernelCall) -> torch.Tensor:
         launch_pdl=use_pdl,
     )  # fmt: skip
     if num_splits > 1 and not use_last_split_merge:
-        split_merge.merge_kv_splits(partial_out, partial_lse, out, seq_lens, query_lens)
+        split_merge.merge_kv_splits(partial_out, partial_lse, out)
     return out

@@ -2,7 +2,10 @@
 
 **The ticket.** Several programs of one launch read a row's ``seq_lens`` (every KV head, M block and split). The
 row may only be advanced once all of them have read it, so each takes a ticket when it is done with it, and the last
-taker writes ``seq_lens[b] + n_b`` and resets the ticket (:func:`_advance_seq_lens_after_last_tile`).
+taker writes ``seq_lens[b] + n_b`` and resets the ticket (:func:`_advance_seq_lens_after_last_tile`). Only the
+attention launch advances ``seq_lens``, never the merge launch after it: the merge releases the next kernel
+(programmatic dependent launch) before it is done, and the Gluon decode kernel reads ``seq_lens`` before its own
+PDL wait, so a ``seq_lens`` written by the merge could reach the next decode call on the same cache late.
 
 **The merge.**
 With ``USE_SPLIT_KV`` the attention kernel splits each row's cached prefix over several programs; each writes
@@ -105,26 +108,18 @@ def _merge_kv_splits(
 def _merge_kv_splits_kernel(
     partial_out_ptr,  # [B * H_q * S_q, splits, HEAD_DIM] fp32
     partial_lse_ptr,  # [B * H_q * S_q, splits] fp32
-    out_ptr,  # [B, H_q, S_q, HEAD_DIM], contiguous
-    seq_lens_ptr,  # [B] int32, advanced in place
-    query_lens_ptr,  # [B] int32, read only when HAS_QUERY_LENS
-    rows_per_batch,  # H_q * S_q
-    num_new,  # S_q
+    out_ptr,  # [B * H_q * S_q, HEAD_DIM], contiguous
     num_splits,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
-    HAS_QUERY_LENS: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
 ):
-    """One program per (batch, q head, token) row. Launched after the attention kernel, which has then read
-    seq_lens in every program (stream order), so advancing it here cannot race a reader."""
-    pid_row = tl.program_id(0)  # over H_q * S_q
-    batch = tl.program_id(1).to(tl.int64)
-    rows = batch * rows_per_batch + pid_row + tl.arange(0, 1)
+    """One program per (batch, q head, token) row."""
+    rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
     if USE_PDL:
-        # This launch may start while the attention kernel still runs: wait for all of it (its partials, and
-        # its last reads of seq_lens) before the first load.
+        # This launch may start while the attention kernel still runs: wait for all of it (its partials) before
+        # the first load.
         gdc_wait()
         # A PDL launch after this one (the next decode call, or a GEMV) may then launch while the merge runs, and
         # wait in its own gdc_wait, so that its launch latency hides behind the merge (faster on the H100's B1 split
@@ -135,39 +130,23 @@ def _merge_kv_splits_kernel(
         partial_out_ptr, partial_lse_ptr, out_ptr, rows, tl.full([1], 1, tl.int1), num_splits,
         HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, 1,
     )  # fmt: skip
-    if pid_row == 0:
-        if HAS_QUERY_LENS:
-            row_new = tl.load(query_lens_ptr + batch)
-        else:
-            row_new = num_new
-        tl.store(seq_lens_ptr + batch, tl.load(seq_lens_ptr + batch) + row_new)
 
 
 _launch_merge = CachedLauncher(_merge_kv_splits_kernel)
 
 
-def merge_kv_splits(
-    partial_out: torch.Tensor,
-    partial_lse: torch.Tensor,
-    out: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_lens: torch.Tensor | None,
-) -> None:
-    """Writes ``out`` from the partials of a split attention launch and advances ``seq_lens``."""
-    batch, num_q_heads, num_new, head_dim = out.shape
-    num_splits = partial_out.shape[1]
+def merge_kv_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Writes ``out`` from the partials of a split attention launch (which advanced ``seq_lens`` itself)."""
+    head_dim = out.shape[-1]
+    num_rows, num_splits = partial_out.shape[0], partial_out.shape[1]
     use_pdl = uses_programmatic_launch(out.device)
     _launch_merge(
-        (num_q_heads * num_new, batch, 1),
-        (
-            partial_out, partial_lse, out, seq_lens, query_lens if query_lens is not None else seq_lens,
-            num_q_heads * num_new, num_new, num_splits,
-        ),
+        (num_rows, 1, 1),
+        (partial_out, partial_lse, out, num_splits),
         dict(
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
             SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HAS_QUERY_LENS=query_lens is not None,
             USE_PDL=use_pdl,
         ),
         num_warps=4 if head_dim > 64 else 2,
