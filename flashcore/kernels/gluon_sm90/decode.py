@@ -56,6 +56,8 @@ if common.HAS_GLUON:
     )
 
 NAME = "gluon_sm90.decode"
+# Probe switch (benchmarks/probes/session_early_release_b1.py): a split launch releases the merge before its wait.
+RELEASE_FIRST = False
 CONFIG = configs.GLUON_DECODE
 
 
@@ -121,13 +123,13 @@ if common.HAS_GLUON:
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         USE_SPLIT_KV: gl.constexpr, MERGE_IN_LAUNCH: gl.constexpr, SPLITS_PAD: gl.constexpr,
         MERGE_ROWS: gl.constexpr, ADVANCE_SEQ_LENS: gl.constexpr, NUM_WARPS: gl.constexpr,
-        USE_PDL: gl.constexpr,
+        USE_PDL: gl.constexpr, RELEASE_FIRST: gl.constexpr,
     ):  # fmt: skip
         """The consumer warps: online softmax over the stages as they land, then the epilogue."""
         if USE_PDL:
             # While the producer's first copies are in flight: q and the new K/V are the previous kernel's outputs.
             _wait_for_previous_grid()
-            if USE_SPLIT_KV and not MERGE_IN_LAUNCH:
+            if USE_SPLIT_KV and not MERGE_IN_LAUNCH and not RELEASE_FIRST:
                 _launch_dependents()
         NUM_STAGES: gl.constexpr = k_tiles.type.shape[0]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
@@ -265,7 +267,10 @@ if common.HAS_GLUON:
         MERGE_ROWS: gl.constexpr,  # MERGE_IN_LAUNCH only: query heads merged per step (bounds its registers)
         USE_PDL: gl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
         NUM_WARPS: gl.constexpr,  # the consumer warps (the kernel's num_warps)
+        RELEASE_FIRST: gl.constexpr,
     ):  # fmt: skip
+        if USE_PDL and RELEASE_FIRST and USE_SPLIT_KV and not MERGE_IN_LAUNCH:
+            _launch_dependents()
         # -- programmatic dependent launch --
         # This launch may start while the previous kernel (the q/k/v projection) still runs. Everything up to the
         # consumers' loads of q and the new K/V reads what that kernel cannot be writing: seq_lens, query_lens and
@@ -315,7 +320,7 @@ if common.HAS_GLUON:
                         batch, kv_head, split, num_splits, seq_len, row_new, seq_len_before + row_new, lo, hi,
                         num_tiles, row_base, col, row_stride, num_kv_heads, capacity, qk_scale,
                         GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, USE_SPLIT_KV, MERGE_IN_LAUNCH, SPLITS_PAD, MERGE_ROWS,
-                        ADVANCE_SEQ_LENS, NUM_WARPS, USE_PDL,
+                        ADVANCE_SEQ_LENS, NUM_WARPS, USE_PDL, RELEASE_FIRST,
                     ),
                 ),
                 (
@@ -430,6 +435,7 @@ def _launch(call: KernelCall, out: torch.Tensor, merge_in_launch: bool, bound_ke
         MERGE_ROWS=merge_rows,
         USE_PDL=use_pdl,
         NUM_WARPS=CONFIG.num_consumer_warps,
+        RELEASE_FIRST=RELEASE_FIRST,
     )
     options = dict(
         num_warps=CONFIG.num_consumer_warps, num_stages=CONFIG.num_stages, launch_pdl=use_pdl,

@@ -29,6 +29,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from flashcore.backends import picks_captured_kernels
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 
+# Probe switch (benchmarks/probes/session_early_release_b1.py): the merge releases the next kernel before its wait.
+RELEASE_FIRST = False
+
 
 def merges_in_attention_launch(device: torch.device) -> bool:
     """Where a split prefix is merged: in the attention launch when running eagerly, where a second launch's
@@ -114,9 +117,12 @@ def _merge_kv_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
+    RELEASE_FIRST: tl.constexpr,  # probe switch: release the next kernel before the wait
 ):
     """One program per (batch, q head, token) row."""
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
+    if USE_PDL and RELEASE_FIRST:
+        gdc_launch_dependents()
     if USE_PDL:
         # This launch may start while the attention kernel still runs: wait for all of it (its partials) before
         # the first load.
@@ -125,7 +131,8 @@ def _merge_kv_splits_kernel(
         # wait in its own gdc_wait, so that its launch latency hides behind the merge (faster on the H100's B1 split
         # decode rows, L <= 4k; benchmarks/NOTES.md, entry 34). Released before the wait instead, a B=1 step's o
         # GEMV launched during the decode kernel and the step took 3-12 µs longer (entry 56).
-        gdc_launch_dependents()
+        if not RELEASE_FIRST:
+            gdc_launch_dependents()
     _merge_kv_splits(
         partial_out_ptr, partial_lse_ptr, out_ptr, rows, tl.full([1], 1, tl.int1), num_splits,
         HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, 1,
@@ -148,6 +155,7 @@ def merge_kv_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: t
             HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             USE_PDL=use_pdl,
+            RELEASE_FIRST=RELEASE_FIRST,
         ),
         num_warps=4 if head_dim > 64 else 2,
         num_stages=3,
