@@ -282,3 +282,25 @@ def test_split_merge_placements_agree_bitwise(dtype, num_new, split_merge_placem
     assert torch.equal(outputs[0], outputs[1])
     for in_launch, second_launch in zip(*caches, strict=True):
         assert torch.equal(in_launch.nan_to_num(), second_launch.nan_to_num())
+
+
+def test_a_merge_launch_remembers_its_cache(split_merge_placement, generator, make_inputs):
+    """The merge launch releases the next kernel before it waits for the attention launch, so the next attention
+    launch on the same cache must not read that cache before its own wait: ``split_merge.follows_merge_of`` says
+    which cache's launch the last merge followed (a split decode on each of two caches, merged in a second launch)."""
+    split_merge_placement(False)
+    caches = []
+    for _ in range(2):
+        inputs = make_inputs(
+            dtype=DTYPES[0], num_q_heads=4, num_kv_heads=1, head_dim=64, capacity=1024, seq_lens=[700, 300],
+            query_lens=[1, 1],
+        )  # fmt: skip
+        caches.append(inputs)
+    for merged, other in ((0, 1), (1, 0)):
+        inputs = caches[merged]
+        plan = triton_attention._launch_plan(4, 64, 2, 1024, inputs.cache[0].element_size(), inputs.query.device)
+        assert plan.num_splits > 1  # the shape must split, or no merge launch runs
+        out, returned = call_with_query_lens(inputs, is_causal=True, backend="triton")
+        check_call(inputs, out, returned, atol=TOLERANCES[DTYPES[0]], is_causal=True)
+        assert split_merge.follows_merge_of(inputs.cache[2])
+        assert not split_merge.follows_merge_of(caches[other].cache[2])

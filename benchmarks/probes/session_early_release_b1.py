@@ -1,4 +1,5 @@
-"""Issue 29: the attention's launches releasing the next kernel before their PDL wait, in a B=1 replayed step.
+"""Issue 29: the attention's launches releasing the next kernel before their PDL wait, in a B=1 replayed step
+(measured at 3da0de4; ``merge_first`` kept, then the switches removed).
 
 With the decode kernel's K/V copies issued before its wait (entry 59), the per-layer profile
 (``decode_step_kernels_b1_cc78c42.json``) has the split merge at 0.85 µs of advance and the o GEMV after it at

@@ -56,8 +56,6 @@ if common.HAS_GLUON:
     )
 
 NAME = "gluon_sm90.decode"
-# Probe switch (benchmarks/probes/session_early_release_b1.py): a split launch releases the merge before its wait.
-RELEASE_FIRST = False
 CONFIG = configs.GLUON_DECODE
 
 
@@ -91,7 +89,7 @@ if common.HAS_GLUON:
     def _stream_kv_tiles(
         k_desc, v_desc, k_tiles, v_tiles, ready, empty, seq_lens_ptr, row_tickets_ptr,
         batch, new_seq_len, row_base, col, lo, num_tiles, num_row_programs,
-        ADVANCE_SEQ_LENS: gl.constexpr, BLOCK_N: gl.constexpr, USE_PDL: gl.constexpr,
+        ADVANCE_SEQ_LENS: gl.constexpr, BLOCK_N: gl.constexpr, WAIT_IN_PARTITIONS: gl.constexpr,
     ):  # fmt: skip
         """The producer warp: fills the stages in turn, each as soon as the consumers hand it back."""
         NUM_STAGES: gl.constexpr = k_tiles.type.shape[0]
@@ -109,7 +107,7 @@ if common.HAS_GLUON:
             # hand-back means every one of them is past that read.
             if num_tiles <= NUM_STAGES:
                 mbarrier.wait(empty.index(0), 0)
-            if USE_PDL:  # the previous kernel has finished with every seq_lens before this one writes one
+            if WAIT_IN_PARTITIONS:  # the previous kernel has finished with every seq_lens before this one writes one
                 _wait_for_previous_grid()
             advance_seq_lens_after_last_program(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_row_programs)
 
@@ -123,13 +121,13 @@ if common.HAS_GLUON:
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         USE_SPLIT_KV: gl.constexpr, MERGE_IN_LAUNCH: gl.constexpr, SPLITS_PAD: gl.constexpr,
         MERGE_ROWS: gl.constexpr, ADVANCE_SEQ_LENS: gl.constexpr, NUM_WARPS: gl.constexpr,
-        USE_PDL: gl.constexpr, RELEASE_FIRST: gl.constexpr,
+        WAIT_IN_PARTITIONS: gl.constexpr,
     ):  # fmt: skip
         """The consumer warps: online softmax over the stages as they land, then the epilogue."""
-        if USE_PDL:
+        if WAIT_IN_PARTITIONS:
             # While the producer's first copies are in flight: q and the new K/V are the previous kernel's outputs.
             _wait_for_previous_grid()
-            if USE_SPLIT_KV and not MERGE_IN_LAUNCH and not RELEASE_FIRST:
+            if USE_SPLIT_KV and not MERGE_IN_LAUNCH:
                 _launch_dependents()
         NUM_STAGES: gl.constexpr = k_tiles.type.shape[0]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
@@ -267,17 +265,21 @@ if common.HAS_GLUON:
         MERGE_ROWS: gl.constexpr,  # MERGE_IN_LAUNCH only: query heads merged per step (bounds its registers)
         USE_PDL: gl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
         NUM_WARPS: gl.constexpr,  # the consumer warps (the kernel's num_warps)
-        RELEASE_FIRST: gl.constexpr,
+        WAIT_FIRST: gl.constexpr,  # with USE_PDL: wait before reading the cache (split_merge.follows_merge_of)
     ):  # fmt: skip
-        if USE_PDL and RELEASE_FIRST and USE_SPLIT_KV and not MERGE_IN_LAUNCH:
-            _launch_dependents()
         # -- programmatic dependent launch --
-        # This launch may start while the previous kernel (the q/k/v projection) still runs. Everything up to the
-        # consumers' loads of q and the new K/V reads what that kernel cannot be writing: seq_lens, query_lens and
-        # the cached prefix, written by this cache's attention launches (which advance seq_lens before they finish,
-        # and are followed by a merge or finish before the next kernel starts) or by kernels launched without PDL,
-        # which finish first. So the producer's first copies go out before the wait, which only the consumer warps
-        # take, before those loads (benchmarks/NOTES.md, entry 59). The producer waits before it writes seq_lens.
+        # This launch may start while the previous kernel (a model's q/k/v projection) still runs. Everything up to
+        # the consumers' loads of q and the new K/V reads what that kernel cannot be writing: seq_lens, query_lens
+        # and the cached prefix, written by this cache's attention launches and by kernels launched without PDL,
+        # which finish before the next kernel starts. So the producer's first copies go out before the wait, which
+        # only the consumer warps take, before those loads (benchmarks/NOTES.md, entry 59); the producer waits before
+        # it writes seq_lens. One exception: right after this cache's own split merge, which releases the next kernel
+        # before its attention launch is done, the whole launch waits first (WAIT_FIRST).
+        WAIT_IN_PARTITIONS: gl.constexpr = USE_PDL and not WAIT_FIRST
+        if USE_PDL and WAIT_FIRST:
+            _wait_for_previous_grid()
+            if USE_SPLIT_KV and not MERGE_IN_LAUNCH:
+                _launch_dependents()
         # -- row metadata --
         pid_bh = gl.program_id(0)
         split = gl.program_id(1)
@@ -320,7 +322,7 @@ if common.HAS_GLUON:
                         batch, kv_head, split, num_splits, seq_len, row_new, seq_len_before + row_new, lo, hi,
                         num_tiles, row_base, col, row_stride, num_kv_heads, capacity, qk_scale,
                         GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, USE_SPLIT_KV, MERGE_IN_LAUNCH, SPLITS_PAD, MERGE_ROWS,
-                        ADVANCE_SEQ_LENS, NUM_WARPS, USE_PDL, RELEASE_FIRST,
+                        ADVANCE_SEQ_LENS, NUM_WARPS, WAIT_IN_PARTITIONS,
                     ),
                 ),
                 (
@@ -328,7 +330,7 @@ if common.HAS_GLUON:
                     (
                         k_desc, v_desc, k_tiles, v_tiles, ready, empty, seq_lens_ptr, row_tickets_ptr,
                         batch, seq_len_before + row_new, row_base, col, lo, num_tiles, num_kv_heads * num_splits,
-                        ADVANCE_SEQ_LENS, BLOCK_N, USE_PDL,
+                        ADVANCE_SEQ_LENS, BLOCK_N, WAIT_IN_PARTITIONS,
                     ),
                 ),
             ],
@@ -374,8 +376,9 @@ def run(call: KernelCall) -> torch.Tensor:
     if query.shape[0] == 0:
         return out
     merge_in_launch = split_merge.merges_in_attention_launch(query.device)
+    wait_first = split_merge.follows_merge_of(seq_lens)  # then no bound launch: those are bound without the wait
     bound_key = None
-    if merge_in_launch:  # eager (a bound launch made while capturing could hold that graph's scratch)
+    if merge_in_launch and not wait_first:  # eager (a bound launch made while capturing could hold its scratch)
         bound_key = (
             query.shape, query.stride(), key.stride(), value.stride(), query.dtype, query.device, k_cache.data_ptr(),
             v_cache.data_ptr(), k_cache.shape, k_cache.stride(), query_lens is None, scale,
@@ -386,11 +389,13 @@ def run(call: KernelCall) -> torch.Tensor:
             query.data_ptr(), key.data_ptr(), value.data_ptr(), seq_lens.data_ptr(), lens.data_ptr(), out.data_ptr()
         ):
             return out
-    _launch(call, out, merge_in_launch, bound_key)
+    _launch(call, out, merge_in_launch, wait_first, bound_key)
     return out
 
 
-def _launch(call: KernelCall, out: torch.Tensor, merge_in_launch: bool, bound_key: tuple | None) -> None:
+def _launch(
+    call: KernelCall, out: torch.Tensor, merge_in_launch: bool, wait_first: bool, bound_key: tuple | None
+) -> None:
     query, key, value, k_cache, v_cache, seq_lens, query_lens, _, scale, _ = call
     batch, num_q_heads, _, head_dim = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
@@ -435,7 +440,7 @@ def _launch(call: KernelCall, out: torch.Tensor, merge_in_launch: bool, bound_ke
         MERGE_ROWS=merge_rows,
         USE_PDL=use_pdl,
         NUM_WARPS=CONFIG.num_consumer_warps,
-        RELEASE_FIRST=RELEASE_FIRST,
+        WAIT_FIRST=wait_first,
     )
     options = dict(
         num_warps=CONFIG.num_consumer_warps, num_stages=CONFIG.num_stages, launch_pdl=use_pdl,
@@ -443,7 +448,7 @@ def _launch(call: KernelCall, out: torch.Tensor, merge_in_launch: bool, bound_ke
     )  # fmt: skip
     _launch_decode(launch_grid, args, constexprs, **options)
     if num_splits > 1 and not merge_in_launch:
-        split_merge.merge_kv_splits(partial_out, partial_lse, out)
+        split_merge.merge_kv_splits(partial_out, partial_lse, out, seq_lens)
     if bound_key is not None:
         bound = _launch_decode.bind(launch_grid, args, constexprs, varying=_VARYING, **options)
         if bound is not None:

@@ -362,5 +362,5 @@ def run(call: KernelCall) -> torch.Tensor:
         launch_pdl=use_pdl,
     )  # fmt: skip
     if num_splits > 1 and not use_last_split_merge:
-        split_merge.merge_kv_splits(partial_out, partial_lse, out)
+        split_merge.merge_kv_splits(partial_out, partial_lse, out, seq_lens)
     return out

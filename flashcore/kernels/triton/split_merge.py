@@ -4,8 +4,7 @@
 row may only be advanced once all of them have read it, so each takes a ticket when it is done with it, and the last
 taker writes ``seq_lens[b] + n_b`` and resets the ticket (:func:`_advance_seq_lens_after_last_tile`). Only the
 attention launch advances ``seq_lens``, never the merge launch after it: the merge releases the next kernel
-(programmatic dependent launch) before it is done, and the Gluon decode kernel reads ``seq_lens`` before its own
-PDL wait, so a ``seq_lens`` written by the merge could reach the next decode call on the same cache late.
+(programmatic dependent launch) before it waits, and that kernel can be the next call on the same cache.
 
 **The merge.**
 With ``USE_SPLIT_KV`` the attention kernel splits each row's cached prefix over several programs; each writes
@@ -29,8 +28,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from flashcore.backends import picks_captured_kernels
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 
-# Probe switch (benchmarks/probes/session_early_release_b1.py): the merge releases the next kernel before its wait.
-RELEASE_FIRST = False
+# The seq_lens (its address) of the cache whose split attention launch the last merge launch followed, per device.
+_last_merged_cache: dict[torch.device, int] = {}
 
 
 def merges_in_attention_launch(device: torch.device) -> bool:
@@ -117,22 +116,18 @@ def _merge_kv_splits_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
-    RELEASE_FIRST: tl.constexpr,  # probe switch: release the next kernel before the wait
 ):
     """One program per (batch, q head, token) row."""
     rows = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)
-    if USE_PDL and RELEASE_FIRST:
-        gdc_launch_dependents()
     if USE_PDL:
+        # The next kernel (a model's o projection) may launch at once and stream its weights while the attention
+        # launch and this merge run, waiting for the merge in its own gdc_wait: 14-15 µs off a B=1 step of the
+        # Llama-3.2-1B shape on the H100 (benchmarks/NOTES.md, entry 59). So the next kernel may start before the
+        # attention launch has finished: see merge_kv_splits.
+        gdc_launch_dependents()
         # This launch may start while the attention kernel still runs: wait for all of it (its partials) before
         # the first load.
         gdc_wait()
-        # A PDL launch after this one (the next decode call, or a GEMV) may then launch while the merge runs, and
-        # wait in its own gdc_wait, so that its launch latency hides behind the merge (faster on the H100's B1 split
-        # decode rows, L <= 4k; benchmarks/NOTES.md, entry 34). Released before the wait instead, a B=1 step's o
-        # GEMV launched during the decode kernel and the step took 3-12 µs longer (entry 56).
-        if not RELEASE_FIRST:
-            gdc_launch_dependents()
     _merge_kv_splits(
         partial_out_ptr, partial_lse_ptr, out_ptr, rows, tl.full([1], 1, tl.int1), num_splits,
         HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, 1,
@@ -142,8 +137,17 @@ def _merge_kv_splits_kernel(
 _launch_merge = CachedLauncher(_merge_kv_splits_kernel)
 
 
-def merge_kv_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Writes ``out`` from the partials of a split attention launch (which advanced ``seq_lens`` itself)."""
+def merge_kv_splits(
+    partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor
+) -> None:
+    """Writes ``out`` from the partials of a split attention launch on the cache of ``seq_lens`` (which that launch
+    advanced itself).
+
+    The merge releases the next kernel before it waits for the attention launch, so a kernel launched right after it
+    may start while that launch still writes the cache and advances ``seq_lens``. Only the next attention launch on
+    the same cache could read them before its own wait (the Gluon decode kernel does): it asks
+    :func:`follows_merge_of` and, if so, waits first."""
+    _last_merged_cache[seq_lens.device] = seq_lens.data_ptr()
     head_dim = out.shape[-1]
     num_rows, num_splits = partial_out.shape[0], partial_out.shape[1]
     use_pdl = uses_programmatic_launch(out.device)
@@ -155,9 +159,17 @@ def merge_kv_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: t
             HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             USE_PDL=use_pdl,
-            RELEASE_FIRST=RELEASE_FIRST,
         ),
         num_warps=4 if head_dim > 64 else 2,
         num_stages=3,
         launch_pdl=use_pdl,
     )  # fmt: skip
+
+
+def follows_merge_of(seq_lens: torch.Tensor) -> bool:
+    """Whether the last merge launched on ``seq_lens``' device followed an attention launch on that cache. A launch
+    in the same stream right after it may start before that attention launch finishes (see :func:`merge_kv_splits`),
+    so an attention launch on the same cache that reads the cache before its PDL wait must not, when this says so.
+    Host order is launch order, captured graphs included; an answer of True for a merge that other launches already
+    followed only costs that launch its early reads."""
+    return _last_merged_cache.get(seq_lens.device) == seq_lens.data_ptr()
