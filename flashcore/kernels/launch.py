@@ -36,9 +36,20 @@ MAX_CACHED_SIGNATURES = 4096  # per kernel; a new shape adds one, so only a path
 def uses_programmatic_launch(device: torch.device) -> bool:
     """Whether kernels on ``device`` are launched with programmatic dependent launch (PDL): Hopper and later.
 
-    A PDL launch may start while the previous kernel in the stream still runs; the kernel's ``USE_PDL`` branch
-    waits for it (``gdc_wait``) before its first memory access, so only the launch latency overlaps
-    (benchmarks/NOTES.md, entry 25). The interpreter has no grid dependencies to wait on, and cannot run the wait.
+    A PDL launch may start once the kernel before it in the stream releases it (``gdc_launch_dependents``, or that
+    kernel's end), and its ``USE_PDL`` branch waits for that kernel to finish (``gdc_wait``) before it reads what that
+    kernel writes (benchmarks/NOTES.md, entry 25). flashcore's kernels keep two rules, which make each read before a
+    wait safe:
+
+    - a kernel releases the next one after its own wait, so when a kernel starts, all but the one right before it
+      have finished. The split merge is the exception: it releases first, so that a model's o projection streams its
+      weight during the attention (entry 59), and the attention launch before it may still run;
+    - before its wait a kernel reads only what no kernel that may still run writes: the GEMV its weight (entry 53),
+      the Gluon decode kernel ``seq_lens`` and the cached prefix (entry 59; right after this cache's own split merge
+      it waits first, ``split_merge.follows_merge_of``).
+
+    Inductor's PDL kernels (a compiled ``DecodeSession`` step) wait before their first load and release after their
+    last, which keeps the first rule. The interpreter has no grid dependencies to wait on, and cannot run the wait.
     """
     if device.type != "cuda" or triton_interpreter_enabled():
         return False
