@@ -146,11 +146,13 @@ REPORT: dict = {}  # written into the result JSON
 
 
 class RowsGemmForward:
-    """A linear's forward for this probe: 2-16 rows on the few-row GEMM, anything else on ``inner``. With
-    ``out_features`` (a fused projection's), the output split as the fused projection splits it."""
+    """A linear's forward for this probe: 2-16 rows on the few-row GEMM (``gemm``, by default this probe's), anything
+    else on ``inner``. With ``out_features`` (a fused projection's), the output split as the fused projection splits
+    it."""
 
-    def __init__(self, linear, inner, config: dict) -> None:
+    def __init__(self, linear, inner, config: dict, gemm=None) -> None:
         self.linear, self.inner, self.config = linear, inner, config
+        self.gemm = gemm or rows_gemm_triton
         self.weight, self.bias = linear.weight, linear.bias
         self.out_features = getattr(linear, "out_features", None)
 
@@ -158,24 +160,25 @@ class RowsGemmForward:
         rows = x.numel() // x.shape[-1]
         if not 2 <= rows <= MAX_ROWS:
             return self.inner(x)
-        out = rows_gemm_triton(x.reshape(rows, x.shape[-1]), self.weight, self.bias, self.config)
+        out = self.gemm(x.reshape(rows, x.shape[-1]), self.weight, self.bias, self.config)
         out = out.view(*x.shape[:-1], self.weight.shape[0])
         return out.split(self.out_features, dim=-1) if isinstance(self.out_features, list) else out
 
 
-def install(model, config: dict, head: bool):
-    """Puts the few-row GEMM under every projection (the fused ones, kept in a module's ``_fused_projection``, and
-    the plain ``nn.Linear`` ones) and, with ``head``, the LM head; returns a function that undoes it."""
+def install(model, config: dict, head: bool, gemm=None):
+    """Puts the few-row GEMM (``gemm``, by default this probe's) under every projection (the fused ones, kept in a
+    module's ``_fused_projection``, and the plain ``nn.Linear`` ones) and, with ``head``, the LM head; returns a
+    function that undoes it."""
     undo = []
     for module in model.model.modules():
         fused = module.__dict__.get("_fused_projection")
         if fused is not None:
-            module.__dict__["_fused_projection"] = RowsGemmForward(fused, fused, config)
+            module.__dict__["_fused_projection"] = RowsGemmForward(fused, fused, config, gemm)
             undo.append(lambda module=module, fused=fused: module.__dict__.__setitem__("_fused_projection", fused))
     linears = [module for module in model.model.modules() if isinstance(module, torch.nn.Linear)]
     for linear in linears + ([model.get_output_embeddings()] if head else []):
         forward = linear.__dict__.get("forward")
-        linear.forward = RowsGemmForward(linear, linear.forward, config)
+        linear.forward = RowsGemmForward(linear, linear.forward, config, gemm)
         undo.append(lambda linear=linear, forward=forward: _restore_forward(linear, forward))
     return lambda: [step() for step in reversed(undo)]
 
