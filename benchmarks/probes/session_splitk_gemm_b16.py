@@ -170,20 +170,35 @@ def splitk_gemm_triton(
     return out
 
 
-def tiles(block_n: int, block_k: int, min_programs: int, num_stages: int) -> dict:
-    return dict(block_n=block_n, block_k=block_k, min_programs=min_programs, num_stages=num_stages, num_warps=4)
+def tiles(block_n: int, block_k: int, min_programs: int, num_stages: int, only: tuple = ()) -> dict:
+    """A variant's tiles; ``only``: the weight shapes ``(N, K)`` that take the kernel in the step (every one if
+    empty), the others staying on cuBLAS."""
+    return dict(
+        block_n=block_n, block_k=block_k, min_programs=min_programs, num_stages=num_stages, num_warps=4, only=only
+    )
+
+
+def step_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict) -> torch.Tensor:
+    """The step's GEMM for a variant: the kernel on the shapes ``config["only"]`` names, cuBLAS on the rest."""
+    if config["only"] and tuple(weight.shape) not in config["only"]:
+        return torch.nn.functional.linear(x, weight, bias)
+    return splitk_gemm_triton(x, weight, bias, config)
 
 
 # At 3 stages of 64 x 256 tiles a program takes about 120 KB of shared memory, one program an SM, and every variant
 # of the first run (3 stages; 64 x 256 and 64 x 128 tiles; 264 and 528 programs; 128 x 128) was 400-830 µs a step
 # slower than cuBLAS (probes/results/session_splitk_gemm_b16_b826df2.json). These keep a program's shared memory
-# small, so that several share an SM.
+# small, so that several share an SM. The second run (540b463,
+# probes/results/session_splitk_gemm_b16_540b463.json) had 64 x 128 tiles at one stage and 264 programs ahead of
+# cuBLAS on two shapes alone, the down projection and the LM head, and 36 µs a step behind with every projection on
+# it; the variants below put only those two on the kernel.
+DOWN, HEAD = (2048, 8192), (128256, 2048)  # bench_generate's model
 VARIANTS = {  # name: (tiles or None for cuBLAS, the LM head too)
     "cublas": (None, False),
     "splitk_64x128_p264_s1": (tiles(64, 128, 264, 1), True),
-    "splitk_64x128_p264_s2": (tiles(64, 128, 264, 2), True),
-    "splitk_64x128_p528_s2": (tiles(64, 128, 528, 2), True),
-    "splitk_64x64_p528_s2": (tiles(64, 64, 528, 2), True),
+    "splitk_head": (tiles(64, 128, 264, 1, only=(HEAD,)), True),
+    "splitk_down_head": (tiles(64, 128, 264, 1, only=(DOWN, HEAD)), True),
+    "splitk_down_head_p132": (tiles(64, 128, 132, 1, only=(DOWN, HEAD)), True),
 }
 
 REPORT: dict = {}  # written into the result JSON
@@ -249,7 +264,7 @@ def timed_session(model, input_ids, config: dict | None, head: bool) -> dict:
     if "bf16_check" not in REPORT:
         REPORT["bf16_check"] = check_bf16(model)
         REPORT["shapes"] = time_shapes(model)
-    undo = rows_probe.install(model, config, head, splitk_gemm_triton) if config is not None else lambda: None
+    undo = rows_probe.install(model, config, head, step_gemm) if config is not None else lambda: None
     try:
         return harness.session_steps(model, input_ids, **options)
     finally:
