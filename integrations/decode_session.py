@@ -37,8 +37,8 @@ from flashcore.integrations.llama import (
     model_tp_size,
 )
 from flashcore.integrations.prompt_lookup import propose_from_history
-from flashcore.integrations.rotary_table import rotary_table_for, rotary_table_installed
-from flashcore.integrations.step_end import append_history, chunked_argmax, pick_and_advance
+from flashcore.integrations.rotary_table import RotaryRows, rotary_table_for, rotary_table_installed
+from flashcore.integrations.step_end import append_history, chunked_argmax, next_step_inputs, pick_and_advance
 
 MAX_DRAFT_TOKENS = 16  # per speculative step
 MAX_DRAFT_BACKOFF = 64  # plain steps after drafts keep failing, at most, before speculating again
@@ -74,6 +74,7 @@ class DecodeSession:
         token = session.prefill(input_ids)          # [B] ids of the first new token
         for _ in range(255):
             token = session.decode_step()           # [B], a view of the session's buffer
+        ids = session.text()                        # each row's prompt and the 256 tokens picked
     """
 
     def __init__(
@@ -135,7 +136,18 @@ class DecodeSession:
         # Room for what speculative_step writes past the cache's last slot before it checks the drafts.
         self._history = torch.zeros(batch_size, max_cache_len + 1 + MAX_DRAFT_TOKENS, dtype=torch.long, device=device)
         self._history_len = torch.zeros(batch_size, dtype=torch.long, device=device)
+        # Whether the text ends with a selected token that is not in the cache yet (self.token): from prefill on,
+        # until reset. A turn's prefill takes it off the text first: the turn feeds it (or drops it) itself.
+        self._token_pending = False
         self._pick_tickets = torch.zeros(batch_size, dtype=torch.int32, device=device)  # pick_and_advance's scratch
+        # A decode step's inputs, written by the step before it (its end launch, step_end.pick_and_advance): the
+        # token's embedding row and the position's cos and sin rows, so that the step starts with its first
+        # projection (NOTES.md, entry 61). Where the embedding is a plain nn.Embedding on one device and the session
+        # has a rotary table; None otherwise (the step embeds and gathers itself). _next_inputs_ready: whether they
+        # hold self.token's (a prefill or a verify step leaves them stale, and the next step writes them first).
+        self._next_inputs = _next_inputs_buffers(model, self._rotary_table, batch_size, model_tp_size(model))
+        self._rotary_rows = RotaryRows(self._next_inputs[3]) if self._next_inputs is not None else None
+        self._next_inputs_ready = False
         # RoPE position of the next token per row (left padding shifts rows), and its cache position (the same
         # for every row: pads occupy positions too, as in generate).
         self._position = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
@@ -187,7 +199,12 @@ class DecodeSession:
         self.token.copy_(self._select(logits))
         real = input_ids if attention_mask is None else _real_tokens_first(input_ids, attention_mask)
         counts = torch.full_like(self._history_len, length) if attention_mask is None else attention_mask.sum(dim=1)
-        self._append_history(torch.cat([real, self.token[:, None]], dim=1), counts + 1)
+        if self._token_pending:
+            self._history_len.sub_(1)
+        self._append_history(real, counts)
+        self._append_history(self.token[:, None], 1)  # after each row's own real tokens, not after the pads
+        self._token_pending = True
+        self._next_inputs_ready = False
         self._drafts_for = None
         return self.token
 
@@ -253,6 +270,15 @@ class DecodeSession:
                 self._failed_verifies = 0
         return tokens, counts
 
+    def text(self) -> list[torch.Tensor]:
+        """Each row's token ids so far, a 1-D tensor per row on the device: the tokens in its cache (every turn's real
+        tokens, pads dropped, and the selected tokens fed back), then the last selected token, ``self.token``. After
+        ``prefill(prompt)`` and n decode steps that is the prompt and the n + 1 tokens picked. Views of the session's
+        buffer, overwritten by later steps; one host read of the lengths. A row whose text outgrew the buffer
+        (``max_cache_len`` + 17 tokens) keeps its last slot overwritten."""
+        lengths = self._history_len.tolist()
+        return [self._history[row, :length] for row, length in enumerate(lengths)]
+
     @property
     def captured_steps(self) -> list[tuple]:
         """The steps that replay a CUDA graph, by key: ``("decode",)``, and a speculative step's ``("verify", k,
@@ -302,15 +328,28 @@ class DecodeSession:
     def _run_step(self, key: tuple, step):
         """``step()``'s outputs: run eagerly on its key's first call (warming up the kernels the capture will run,
         autotuning and allocations), captured as a CUDA graph on the second and replayed from then on (the outputs
-        are then the graph's own tensors, overwritten by each replay). Always eager without ``use_cuda_graph``."""
+        are then the graph's own tensors, overwritten by each replay). Always eager without ``use_cuda_graph``.
+
+        A step that runs ``self._step`` (every key but a verify step's) reads the inputs the step before wrote, and
+        writes the next ones; they are written here first where nothing wrote them."""
+        reads_next_inputs = self._next_inputs is not None and key[0] != "verify"
+        if reads_next_inputs and not self._next_inputs_ready:
+            next_step_inputs(self.token, self._position, *self._next_inputs)
+        rotary = self._rotary_rows if reads_next_inputs else self._rotary_table
+        outputs = self._run_graph(key, step, rotary)
+        self._next_inputs_ready = reads_next_inputs
+        return outputs
+
+    def _run_graph(self, key: tuple, step, rotary):
+        """:meth:`_run_step`'s eager warm-up, capture and replay, with ``rotary`` as the model's rotary module."""
         entry = self._graphs.get(key)
         if not self.use_cuda_graph:
-            with rotary_table_installed(self.model, self._rotary_table):
+            with rotary_table_installed(self.model, rotary):
                 return step()
         if entry is None:
             self._graphs[key] = _WARM
             # kernels_as_captured compiles the kernels the capture will replay
-            with kernels_as_captured(), rotary_table_installed(self.model, self._rotary_table):
+            with kernels_as_captured(), rotary_table_installed(self.model, rotary):
                 return step()
         if entry is _WARM:
             torch.cuda.synchronize()
@@ -319,7 +358,7 @@ class DecodeSession:
             # (torch.cuda.graph no longer collects by default): collect it now.
             gc.collect()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph), rotary_table_installed(self.model, self._rotary_table):
+            with torch.cuda.graph(graph), rotary_table_installed(self.model, rotary):
                 outputs = step()
             self._graphs[key] = entry = (graph, outputs)
         graph, outputs = entry
@@ -332,27 +371,34 @@ class DecodeSession:
         self._position.zero_()
         self._cache_position.zero_()
         self._history_len.zero_()
+        self._token_pending = False
+        self._next_inputs_ready = False
         self._draft_backoff = self._failed_verifies = 0
         self._drafts_for = None
 
     def _step_eager(self) -> None:
         """One decode step on the session's buffers: the next token, the positions, the text (``self._step``
-        runs it, compiled with ``compile=True``). After the forward, one launch (``step_end.pick_and_advance``)."""
-        logits = self._next_logits(self.token, self._position, self._cache_position)
+        runs it, compiled with ``compile=True``). After the forward, one launch (``step_end.pick_and_advance``), which
+        also writes the next step's inputs where the session keeps them."""
+        if self._next_inputs is None:
+            logits = self._next_logits(input_ids=self.token[:, None])
+        else:
+            logits = self._next_logits(inputs_embeds=self._next_inputs[1])
         pick_and_advance(
             self._scores(logits).to(self.token.device), self._pick_tickets, self.token, self._position,
-            self._cache_position, self._history, self._history_len,
+            self._cache_position, self._history, self._history_len, *(self._next_inputs or ()),
         )  # fmt: skip
 
     def _append_history(self, tokens: torch.Tensor, counts: torch.Tensor | int) -> None:
         """Appends each row's first ``counts[b]`` of ``tokens [B, n]`` to its text (``step_end.append_history``)."""
         append_history(self._history, self._history_len, tokens, counts)
 
-    def _next_logits(self, token: torch.Tensor, position: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+    def _next_logits(self, **inputs: torch.Tensor) -> torch.Tensor:
+        """The logits of a decode step's one token per row, given as ``input_ids`` or ``inputs_embeds``."""
         return self.model(
-            input_ids=token[:, None],
-            position_ids=position,
-            cache_position=cache_position,
+            **inputs,
+            position_ids=self._position,
+            cache_position=self._cache_position,
             **{CACHE_ARGUMENT_NAME: self.cache},
             use_cache=True,
             logits_to_keep=1,
@@ -370,6 +416,22 @@ class DecodeSession:
         """The ids picked from ``logits``, on the session's device (under device_map the logits come from the
         last layer's)."""
         return chunked_argmax(self._scores(logits)).to(self.token.device)
+
+
+def _next_inputs_buffers(model, rotary_table, batch_size: int, tp_size: int) -> tuple[torch.Tensor, ...] | None:
+    """``(embedding weight [V, H], next_embeds [B, 1, H], rotary table [P, 2, D], next_rotary [B, 1, 2, D])``, the
+    session's next-step inputs and what they are gathered from; None where the step must embed its tokens itself: a
+    model without a rotary table (``rotary_table_for``), split over devices or ranks, or whose input embedding is not
+    a plain ``nn.Embedding``."""
+    embedding = model.get_input_embeddings()
+    if rotary_table is None or tp_size != 1 or type(embedding) is not torch.nn.Embedding or embedding.max_norm:
+        return None
+    weight, table = embedding.weight, rotary_table.table
+    if weight.stride(1) != 1:
+        return None
+    next_embeds = torch.zeros(batch_size, 1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    next_rotary = torch.zeros(batch_size, 1, *table.shape[1:], dtype=table.dtype, device=table.device)
+    return weight, next_embeds, table, next_rotary
 
 
 def _real_tokens_first(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,18 @@ class RotaryTable(torch.nn.Module):
         return rows[..., 0, :], rows[..., 1, :]
 
 
+class RotaryRows(torch.nn.Module):
+    """``rotary_emb(x, position_ids)`` for a decode step whose cos and sin rows were written ahead (by the step before
+    it, ``step_end.pick_and_advance``): returns views of ``rows [B, 1, 2, D]``, whatever the positions."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        super().__init__()
+        self.rows = torch.nn.Buffer(rows, persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows[..., 0, :], self.rows[..., 1, :]
+
+
 def rotary_table_for(model: torch.nn.Module, num_positions: int) -> RotaryTable | None:
     """A :class:`RotaryTable` of ``model``'s rotary embedding, or None where it has none at ``.base_model.rotary_emb``
     or its cos and sin depend on more than the position."""
@@ -55,7 +67,7 @@ def rotary_table_for(model: torch.nn.Module, num_positions: int) -> RotaryTable 
 
 
 @contextlib.contextmanager
-def rotary_table_installed(model: torch.nn.Module, table: RotaryTable | None):
+def rotary_table_installed(model: torch.nn.Module, table: RotaryTable | RotaryRows | None):
     """Runs the block with ``table`` as the model's rotary module (nothing changes for None), then puts HF's back."""
     if table is None:
         yield

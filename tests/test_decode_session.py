@@ -43,6 +43,9 @@ def test_session_matches_stock_greedy(backend, lengths, device, generator, reque
     remove_flashcore(model)
 
     assert torch.equal(torch.stack(tokens, dim=1), expected)
+    # text(): each row's real prompt tokens, then every token it picked
+    for row, text in enumerate(session.text()):
+        assert torch.equal(text, torch.cat([input_ids[row][attention_mask[row].bool()], expected[row]]))
     assert session.use_cuda_graph == ON_GPU and (("decode",) in session.captured_steps) == ON_GPU
     first_layer = session.cache.get_kv_cache(0)
     assert first_layer[2].tolist() == [length + NEW_TOKENS - 1 for length in lengths]
@@ -63,6 +66,8 @@ def test_second_turn_continues_the_cache(device, generator, request):
 
     expected = stock_greedy(model, conversation, torch.ones_like(conversation), 6)
     assert torch.equal(torch.stack(continued, dim=1), expected)
+    # The first answer's last token is in the text once, as in the cache: the second turn fed it.
+    assert torch.equal(session.text()[0], torch.cat([conversation, expected], dim=1)[0])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compares CUDA-graph replay with eager calls: there are no graphs on the CPU")
