@@ -202,9 +202,13 @@ def weight_shapes(model) -> dict:
     return {tuple(module.weight.shape): module for module in found}
 
 
-def check_bf16(model) -> list[dict]:
-    """The kernel's and cuBLAS's worst error against fp64 on 16 bf16 rows, per distinct weight shape, in ulps of
-    the largest output."""
+def check_bf16(model, gemm=None, name: str = "rows_gemm") -> list[dict]:
+    """``gemm(x, weight)``'s (by default this probe's kernel with the first variant's tiles) and cuBLAS's worst error
+    against fp64 on 16 bf16 rows, per distinct weight shape, in ulps of the largest output (as ``<name>_ulps`` and
+    ``cublas_ulps``)."""
+    if gemm is None:
+        config = next(config for config, _ in VARIANTS.values() if config is not None)
+        gemm = lambda x, weight: rows_gemm_triton(x, weight, None, config)  # noqa: E731
     generator = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for linear in weight_shapes(model).values():
@@ -214,21 +218,27 @@ def check_bf16(model) -> list[dict]:
         ulp = torch.finfo(weight.dtype).eps * expected.abs().max().item()
         rows.append({
             "weight": list(weight.shape),
-            "rows_gemm_ulps": (rows_gemm_triton(x, weight, None).double() - expected).abs().max().item() / ulp,
+            f"{name}_ulps": (gemm(x, weight).double() - expected).abs().max().item() / ulp,
             "cublas_ulps": (torch.nn.functional.linear(x, weight).double() - expected).abs().max().item() / ulp,
         })  # fmt: skip
         print(rows[-1], flush=True)
     return rows
 
 
-def timed_session(model, input_ids, config: dict | None, head: bool) -> dict:
+def timed_session(
+    model, input_ids, config: dict | None, head: bool, gemm=None, report: dict | None = None, check=check_bf16
+) -> dict:
+    """One variant's session steps, with ``gemm`` (by default this probe's kernel) under the projections for
+    ``config``'s tiles (cuBLAS for None); before the first variant that runs it, ``check(model)`` goes into
+    ``report["bf16_check"]`` (by default this probe's report)."""
     from flashcore.integrations.llama import apply_flashcore_to_llama
 
+    report = REPORT if report is None else report
     options = dict(fuse_projections=True, layer_kernels=True)
     apply_flashcore_to_llama(model, **options)  # the fused projections and the head's forward exist from here
-    if config is not None and "bf16_check" not in REPORT:
-        REPORT["bf16_check"] = check_bf16(model)
-    undo = install(model, config, head) if config is not None else lambda: None
+    if config is not None and "bf16_check" not in report:
+        report["bf16_check"] = check(model)
+    undo = install(model, config, head, gemm) if config is not None else lambda: None
     try:
         return harness.session_steps(model, input_ids, **options)
     finally:

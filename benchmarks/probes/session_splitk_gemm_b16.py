@@ -23,7 +23,7 @@ Two measurements, on ``bench_generate``'s model (bf16, the Llama-3.2-1B shape):
   (``session_rows_gemm_b16.install``), the variants alternating over ``--rounds`` rounds.
 
 Before the first variant that runs the kernel, the probe checks it in bf16 on the model's weight shapes against fp64,
-beside cuBLAS's error (``report.bf16_check``).
+beside cuBLAS's error (``report.bf16_check``, ``session_rows_gemm_b16.check_bf16``).
 
     python benchmarks/probes/session_splitk_gemm_b16.py --out session_splitk_gemm_b16.json --max-cache-len 768
 """
@@ -137,13 +137,10 @@ def split_count(n: int, k: int, config: dict) -> int:
 def splitk_gemm_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: dict, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x`` ``[M, K]`` (M <= 16) with unit stride along K, ``weight`` ``[N, K]`` with unit stride along K, ``bias``
-    ``[N]`` or None; returns ``out`` (``[M, N]`` contiguous of ``x``'s dtype; a new one if None), with ``config``'s
-    tiles (:func:`tiles`)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    """``session_rows_gemm_b16.rows_gemm_triton``'s call (M <= 16 rows) on this kernel, with ``config``'s tiles
+    (:func:`tiles`)."""
+    (m, k), n = x.shape, weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     split_k = split_count(n, k, config)
     k_per_split = triton.cdiv(triton.cdiv(k, config["block_k"]), split_k) * config["block_k"]
     blocks = triton.cdiv(n, config["block_n"])
@@ -235,40 +232,17 @@ def time_shape(weight: torch.Tensor, generator: torch.Generator) -> dict:
     return row
 
 
-def check_bf16(model) -> list[dict]:
-    """The kernel's (first variant's tiles) and cuBLAS's worst error against fp64 on 16 bf16 rows, per distinct
-    weight shape, in ulps of the largest output."""
+def check_and_time_shapes(model) -> list[dict]:
+    """report.bf16_check's rows (returned) and report.shapes (filled)."""
     config = next(config for config, _ in VARIANTS.values() if config is not None)
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
-    for linear in rows_probe.weight_shapes(model).values():
-        weight = linear.weight
-        x = torch.randn(16, weight.shape[1], device="cuda", dtype=weight.dtype, generator=generator)
-        expected = x.double() @ weight.double().T
-        ulp = torch.finfo(weight.dtype).eps * expected.abs().max().item()
-        rows.append({
-            "weight": list(weight.shape),
-            "splitk_gemm_ulps": (splitk_gemm_triton(x, weight, None, config).double() - expected).abs().max().item()
-            / ulp,
-            "cublas_ulps": (torch.nn.functional.linear(x, weight).double() - expected).abs().max().item() / ulp,
-        })  # fmt: skip
-        print(rows[-1], flush=True)
+    gemm = lambda x, weight: splitk_gemm_triton(x, weight, None, config)  # noqa: E731
+    rows = rows_probe.check_bf16(model, gemm, "splitk_gemm")
+    REPORT["shapes"] = time_shapes(model)
     return rows
 
 
 def timed_session(model, input_ids, config: dict | None, head: bool) -> dict:
-    from flashcore.integrations.llama import apply_flashcore_to_llama
-
-    options = dict(fuse_projections=True, layer_kernels=True)
-    apply_flashcore_to_llama(model, **options)  # the fused projections and the head's forward exist from here
-    if "bf16_check" not in REPORT:
-        REPORT["bf16_check"] = check_bf16(model)
-        REPORT["shapes"] = time_shapes(model)
-    undo = rows_probe.install(model, config, head, step_gemm) if config is not None else lambda: None
-    try:
-        return harness.session_steps(model, input_ids, **options)
-    finally:
-        undo()
+    return rows_probe.timed_session(model, input_ids, config, head, step_gemm, REPORT, check_and_time_shapes)
 
 
 def main() -> None:
