@@ -6,8 +6,8 @@ position, its cache position); the decode step reads and updates only those, so 
 it is captured once as a CUDA graph and every later token is one ``graph.replay()``. Greedy selection (or
 Gumbel-max sampling) happens inside the graph and feeds the next step directly: the only host sync per token is
 the caller reading the sampled ids, if it wants them. The step's cos and sin are rows of a table the model's rotary
-module computed once (``rotary_table.py``), and one launch ends it: the pick and every buffer's update
-(``step_end.py``).
+module computed once (``rotary_table.py``), and one launch ends it: the pick, every buffer's update and the next
+step's inputs, its token's embedding row and its cos and sin rows (``step_end.py``).
 
 With ``compile=True`` the captured step is a ``torch.compile``d forward (inductor fuses the norms, RoPE and
 elementwise ops around the GEMMs; flashcore's op stays one opaque call in it). At batch 1 most of an eager step
