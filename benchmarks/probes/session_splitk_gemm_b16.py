@@ -182,10 +182,9 @@ def step_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return splitk_gemm_triton(x, weight, bias, config)
 
 
-# At 3 stages of 64 x 256 tiles a program takes about 120 KB of shared memory, one program an SM, and every variant
-# of the first run (3 stages; 64 x 256 and 64 x 128 tiles; 264 and 528 programs; 128 x 128) was 400-830 µs a step
-# slower than cuBLAS (probes/results/session_splitk_gemm_b16_b826df2.json). These keep a program's shared memory
-# small, so that several share an SM. The second run (540b463,
+# At 3 stages of 64 x 256 tiles a program takes about 120 KB of shared memory, one program an SM, and a first,
+# uncommitted version with such tiles was far slower than cuBLAS (NOTES.md, entry 61). These keep a program's shared
+# memory small, so that several share an SM. The second run (540b463,
 # probes/results/session_splitk_gemm_b16_540b463.json) had 64 x 128 tiles at one stage and 264 programs ahead of
 # cuBLAS on two shapes alone, the down projection and the LM head, and 36 µs a step behind with every projection on
 # it; the variants below put only those two on the kernel.
