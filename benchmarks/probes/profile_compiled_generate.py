@@ -64,9 +64,7 @@ class Paths:
         torch.manual_seed(0)
         with torch.device("cuda"):
             self.stock = LlamaForCausalLM(config).to(torch.bfloat16).eval()
-        self.flashcore = apply_flashcore_to_llama(
-            copy.deepcopy(self.stock), fuse_projections=True, layer_kernels=True
-        )
+        self.flashcore = apply_flashcore_to_llama(copy.deepcopy(self.stock), fuse_projections=True, layer_kernels=True)
         self.caches: dict[int, object] = {}
 
     def cache(self, batch: int):
