@@ -10,7 +10,8 @@ random-weight Llama-3.2-1B (``bench_generate``'s model, bf16) and reports, per p
 - ms per decode step: the median and quartiles of the gaps between consecutive calls of a stopping criterion (one
   per step; no sync added), the paths alternating call by call;
 - a cProfile of the decode steps only, as ``profile_eager_generate.py`` takes it: the top functions by tottime and
-  by cumtime, in ms per step (cProfile's own overhead inflates them; compare the paths with each other);
+  by cumtime, in ms per step, each with its main callers (cProfile's own overhead inflates them; compare the paths
+  with each other);
 - with ``--trace``, torch.profiler's view: the device's busy time per step and the kernels and syncs per step.
 
     python benchmarks/probes/profile_compiled_generate.py --out x.json
@@ -35,6 +36,7 @@ import harness  # noqa: E402
 from profile_eager_generate import REPO, StepClock, make_inputs, trace_decode  # noqa: E402
 
 PATHS = ("stock_static_compiled", "kernels_compiled")
+CALLERS = 4  # callers kept per profiled function
 
 
 def parse_args() -> argparse.Namespace:
@@ -102,6 +104,14 @@ class Paths:
         return self.flashcore.generate(**kwargs, **{CACHE_ARGUMENT_NAME: cache})
 
 
+def _name(key: tuple) -> str:
+    filename, line, function = key
+    where = filename if filename.startswith("<") or filename == "~" else Path(filename).name
+    if filename.startswith(str(REPO)):
+        where = str(Path(filename).relative_to(REPO))
+    return f"{where}:{line}({function})"
+
+
 def profile_decode(paths: Paths, path: str, inputs, top: int) -> dict:
     steps = paths.args.new_tokens - 1
     profiler = cProfile.Profile()
@@ -109,16 +119,19 @@ def profile_decode(paths: Paths, path: str, inputs, top: int) -> dict:
     paths.generate(path, inputs, paths.args.new_tokens, clock)
     profiler.disable()
     rows = []
-    for (filename, line, function), (_, ncalls, tottime, cumtime, _) in pstats.Stats(profiler).stats.items():
-        where = filename if filename.startswith("<") or filename == "~" else Path(filename).name
-        if filename.startswith(str(REPO)):
-            where = str(Path(filename).relative_to(REPO))
+    for key, (_, ncalls, tottime, cumtime, callers) in pstats.Stats(profiler).stats.items():
+        callers = sorted(callers.items(), key=lambda item: item[1][3], reverse=True)[:CALLERS]
         rows.append(
             {
-                "function": f"{where}:{line}({function})",
+                "function": _name(key),
                 "calls_per_step": round(ncalls / steps, 2),
                 "tottime_ms_per_step": round(tottime * 1e3 / steps, 4),
                 "cumtime_ms_per_step": round(cumtime * 1e3 / steps, 4),
+                # Who called it, with the calls per step and the cumtime per step each gave it.
+                "callers": [
+                    [_name(caller), round(stat[0] / steps, 2), round(stat[3] * 1e3 / steps, 4)]
+                    for caller, stat in callers
+                ],
             }
         )
     by_cumtime = sorted(rows, key=lambda row: row["cumtime_ms_per_step"], reverse=True)
