@@ -16,7 +16,9 @@ The attention goes through transformers' extension points; no modeling symbol is
   on CUDA ``generate`` compiles it (``is_compileable``) as it would for a ``StaticCache``;
 - for ``generate`` too, an instance attribute ``create_masks_for_generate``, the hook transformers looks up on the
   model to build the mask of each step ahead of the forward for a compileable cache: it calls the registered mask
-  function directly (:func:`_masks_for_generate`).
+  function directly (:func:`_masks_for_generate`);
+- and an instance attribute ``get_compiled_call``, which ``generate`` asks for the callable its compiled steps run:
+  ``torch.compile``'s code with flashcore's CUDA graphs in place of inductor's (:mod:`.compiled_step`).
 
 ``onednn_linears`` gives the projections and the LM head another forward, on oneDNN
 (:mod:`flashcore.integrations.onednn_linears`).
@@ -54,6 +56,7 @@ if Version(transformers.__version__) < Version(MIN_SUPPORTED_TRANSFORMERS_VERSIO
     )
 
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel, StaticCache  # noqa: E402
+from transformers.generation import CompileConfig  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaModel  # noqa: E402
 
@@ -64,6 +67,7 @@ from flashcore.integrations import llama_forward_fork  # noqa: E402
 from flashcore.integrations import onednn_linears as _onednn_linears  # noqa: E402
 from flashcore.integrations.attention import flashcore_attention, flashcore_padding_mask  # noqa: E402
 from flashcore.integrations.cache import FlashCoreCache, check_full_attention_only  # noqa: E402
+from flashcore.integrations.compiled_step import CompiledStep, captures_cuda_graphs  # noqa: E402
 
 __all__ = [
     "ATTENTION_IMPLEMENTATION",
@@ -119,6 +123,7 @@ class _FlashCoreState:
     onednn_linears: bool | None = False  # as asked (None: the default's pick); False until a call turns it on
     hook_handles: list = field(default_factory=list)
     previous_max_cache_len: int = 0
+    compiled_step: CompiledStep | None = None  # generate's compiled decode step; every apply call drops it
 
 
 def apply_flashcore_to_llama(
@@ -196,6 +201,7 @@ def apply_flashcore_to_llama(
     if state is None:
         state = _patch(model, decoder, backend)
     state.backend = backend
+    state.compiled_step = None  # its graphs read the weights as they are now, and the options may change them
     if fuse_projections != state.fuse_projections:
         (_fused_projections.fuse if fuse_projections else _fused_projections.unfuse)(model)
         state.fuse_projections = fuse_projections
@@ -256,6 +262,7 @@ def remove_flashcore(model: PreTrainedModel) -> PreTrainedModel:
         handle.remove()
     model.__dict__.pop("_prepare_cache_for_generation", None)
     model.__dict__.pop("create_masks_for_generate", None)
+    model.__dict__.pop("get_compiled_call", None)
     model.set_attn_implementation(state.previous_attn_implementation or "sdpa")
     return model
 
@@ -293,6 +300,7 @@ def _patch(model: PreTrainedModel, decoder: torch.nn.Module, backend: str) -> _F
     if hasattr(type(model), "_prepare_cache_for_generation"):  # a bare LlamaModel does not generate
         model._prepare_cache_for_generation = _make_prepare_cache_for_generation(model, state)
         model.create_masks_for_generate = _masks_for_generate
+        model.get_compiled_call = _make_get_compiled_call(model, state)
     model._flashcore_state = state
     return state
 
@@ -309,6 +317,24 @@ def _masks_for_generate(**kwargs):
         return create_masks_for_generate(**kwargs)
     batch_size, q_length = embeds.shape[:2]
     return flashcore_padding_mask(batch_size, q_length, q_length, attention_mask=kwargs.get("attention_mask"))
+
+
+def _make_get_compiled_call(model, state: _FlashCoreState):
+    get_compiled_call = type(model).get_compiled_call
+
+    def get_flashcore_compiled_call(compile_config=None):
+        """What generate's compiled steps run: a :class:`CompiledStep` where ``compile_config`` asks for CUDA graphs
+        on CUDA, else transformers' own ``torch.compile`` of the forward."""
+        if compile_config is None:
+            compile_config = getattr(model, "_default_compile_config", CompileConfig)()
+        compile_kwargs = compile_config.to_dict()
+        if model.device.type != "cuda" or not captures_cuda_graphs(compile_kwargs):
+            return get_compiled_call(model, compile_config)
+        if state.compiled_step is None or state.compiled_step.asked != compile_kwargs:
+            state.compiled_step = CompiledStep(model, compile_kwargs)
+        return state.compiled_step
+
+    return get_flashcore_compiled_call
 
 
 def _cache_for_forward(module, args, kwargs, tp_size: int) -> FlashCoreCache | None:
