@@ -88,11 +88,11 @@ def test_generate_replays_one_graph_per_kind_of_step(generator, request):
     for eager_step, compiled_step in zip(eager.hidden_states[1:], compiled.hidden_states[1:], strict=True):
         for eager_layer, compiled_layer in zip(eager_step, compiled_step, strict=True):
             torch.testing.assert_close(compiled_layer, eager_layer, rtol=1e-4, atol=1e-4)
-    assert torch.equal(_generate(model, prompts, mask, 12, compiled=True).sequences, eager.sequences)
+    assert torch.equal(_generate(model, prompts, mask, 12, compiled=True), eager.sequences)
     assert step.captured == 1  # the new cache dropped the last one's graph; this call captured its own
     apply_flashcore_to_llama(model, backend="triton", fuse_projections=True)
     assert model._flashcore_state.compiled_step is None  # the fused weights are new tensors
-    assert torch.equal(_generate(model, prompts, mask, 12, compiled=True).sequences, eager.sequences)
+    assert torch.equal(_generate(model, prompts, mask, 12, compiled=True), eager.sequences)
     remove_flashcore(model)
 
 
