@@ -76,9 +76,10 @@ class CompiledStep:
         key = tuple((name, _signature(value, name, tensors, self._use_cache)) for name, value in kwargs.items())
         entry = self._graphs.get(key)
         if entry is None:
-            self._graphs[key] = _WARM
             with kernels_as_captured():  # compiles the kernel variants the capture will replay
-                return self._forward(**kwargs)
+                outputs = self._forward(**kwargs)
+            self._graphs[key] = _WARM  # after the run: a call that raised has not warmed anything up
+            return outputs
         if entry is _WARM:
             entry = self._graphs[key] = self._capture(kwargs, tensors)
         graph, inputs, outputs = entry
