@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
-import json
 import pstats
 import statistics
 import sys
@@ -209,7 +208,7 @@ def main(args: argparse.Namespace) -> None:
         "rows": rows,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    harness.write_json(Path(args.out), result)
     print(f"wrote {args.out}")
 
 
