@@ -11,7 +11,9 @@ together: their timed generates alternate (``--no-interleave-eager`` times them 
   itself (a compileable cache on CUDA makes generate call ``get_compiled_call``, default
   ``CompileConfig(mode="reduce-overhead")``, i.e. inductor with CUDA graphs);
 - ``flashcore_eager``: ``apply_flashcore_to_llama`` + ``FlashCoreCache``, ``generate(disable_compile=True)``;
-- ``flashcore_compiled``: the same, letting generate compile the decode step (FlashCoreCache is compileable);
+- ``flashcore_compiled``: the same, letting generate compile the decode step (FlashCoreCache is compileable; the
+  patched model's ``get_compiled_call`` gives a ``torch.compile`` of the forward replayed in flashcore's CUDA graphs,
+  ``integrations/compiled_step.py``, where HF's gives inductor's CUDA-graph trees);
 - ``flashcore_session``: flashcore's own loop, :class:`flashcore.integrations.decode_session.DecodeSession`,
   over the same patched model: prefill, then each token one CUDA-graph replay (greedy inside the graph); the
   tokens are read once at the end (``DecodeSession.text()``), so no step waits on the host or copies its token;
