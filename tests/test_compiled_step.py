@@ -125,3 +125,46 @@ def test_replayed_calls_return_their_own_logits(generator, request):
     with pytest.raises(NotImplementedError, match="input_ids is a set"):
         step(input_ids={1}, **{CACHE_ARGUMENT_NAME: cache})
     remove_flashcore(model)
+
+
+def test_a_kind_of_call_is_what_its_graph_depends_on(request):
+    """The key CompiledStep captures a graph under (checked on the CPU; capture needs CUDA): tensors by shape,
+    stride, dtype and device, other values by type and value, the cache by identity; the tensors listed in order
+    and put back in the same places."""
+    from flashcore.integrations import compiled_step
+
+    model = tiny_llama("gqa", seed_of(request), "cpu")
+    caches = [FlashCoreCache(model.config, max_cache_len=8) for _ in range(2)]
+    used = []
+
+    def kind(**kwargs):
+        tensors = []
+        key = tuple(
+            (name, compiled_step._signature(value, name, tensors, used.append)) for name, value in kwargs.items()
+        )
+        return key, tensors
+
+    ids = torch.zeros(2, 1, dtype=torch.long)
+    base, tensors = kind(input_ids=ids, mask={"a": ids, "b": None}, keep=1, cache=caches[0])
+    assert [id(tensor) for tensor in tensors] == [id(ids), id(ids)] and used == [caches[0]]
+    assert (
+        kind(input_ids=torch.ones(2, 1, dtype=torch.long), mask={"a": ids, "b": None}, keep=1, cache=caches[0])[0]
+        == base
+    )
+    for other in [
+        dict(input_ids=torch.zeros(2, 2, dtype=torch.long)),  # shape
+        dict(input_ids=torch.zeros(2, 1, dtype=torch.int32)),  # dtype
+        dict(input_ids=torch.zeros(1, 2, dtype=torch.long).t()),  # stride
+        dict(keep=True),  # a bool is not the int 1
+        dict(cache=caches[1]),
+    ]:
+        assert kind(**{**dict(input_ids=ids, mask={"a": ids, "b": None}, keep=1, cache=caches[0]), **other})[0] != base
+
+    replaced = [torch.full((2, 1), 7), torch.full((2, 1), 8)]
+    rebuilt = compiled_step._with_tensors((ids, {"a": ids, "b": None}, 3), iter(replaced))
+    assert rebuilt[0] is replaced[0] and rebuilt[1]["a"] is replaced[1] and rebuilt[1]["b"] is None and rebuilt[2] == 3
+    outputs = {"logits": replaced[0], "cache": caches[0], "hidden_states": (replaced[1],)}
+    own = compiled_step._own_tensors(outputs)
+    assert own["cache"] is caches[0] and torch.equal(own["logits"], replaced[0])
+    assert own["logits"].data_ptr() != replaced[0].data_ptr()
+    assert own["hidden_states"][0].data_ptr() != replaced[1].data_ptr()
