@@ -11,8 +11,7 @@ random-weight Llama-3.2-1B (``bench_generate``'s model, bf16) and reports, per p
   per step; no sync added), the paths alternating call by call;
 - a cProfile of the decode steps only, as ``profile_eager_generate.py`` takes it: the top functions by tottime and
   by cumtime, in ms per step, each with its main callers (cProfile's own overhead inflates them; compare the paths
-  with each other);
-- with ``--trace``, torch.profiler's view: the device's busy time per step and the kernels and syncs per step.
+  with each other).
 
     python benchmarks/probes/profile_compiled_generate.py --out x.json
 """
@@ -32,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
-from profile_eager_generate import REPO, StepClock, make_inputs, trace_decode  # noqa: E402
+from profile_eager_generate import REPO, StepClock, make_inputs  # noqa: E402
 
 PATHS = ("stock_static_compiled", "kernels_compiled")
 CALLERS = 4  # callers kept per profiled function
@@ -45,7 +44,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per row")
     parser.add_argument("--repeats", type=int, default=3, help="timed generate calls per path, alternating paths")
     parser.add_argument("--top", type=int, default=40, help="profile rows kept per path")
-    parser.add_argument("--trace", action="store_true", help="also run torch.profiler over the decode steps")
     parser.add_argument("--out", required=True, help="JSON file to write")
     return parser.parse_args()
 
@@ -142,19 +140,8 @@ def profile_decode(paths: Paths, path: str, inputs, top: int) -> dict:
     }
 
 
-class _Traced:
-    """``trace_decode`` calls ``generate(model, inputs, new_tokens, clock)``; this adapts a path to that."""
-
-    def __init__(self, paths: Paths, path: str) -> None:
-        self.paths, self.path = paths, path
-
-    def __call__(self, model, inputs, new_tokens, clock):
-        return self.paths.generate(self.path, inputs, new_tokens, clock)
-
-
 @torch.no_grad()
 def main(args: argparse.Namespace) -> None:
-    import profile_eager_generate
     import transformers
 
     paths = Paths(args)
@@ -184,18 +171,10 @@ def main(args: argparse.Namespace) -> None:
                 "steps_timed": len(step_ms[path]),
             }
             row.update(profile_decode(paths, path, inputs, args.top))
-            if args.trace:
-                generate = profile_eager_generate.generate
-                profile_eager_generate.generate = _Traced(paths, path)
-                try:
-                    row.update(trace_decode(None, inputs, args.new_tokens, args.top))
-                finally:
-                    profile_eager_generate.generate = generate
             rows.append(row)
             print(
                 f"B={batch:<3} {path:<22} {row['ms_per_step']:7.3f} ms/step, thread CPU "
                 f"{row['thread_cpu_ms_per_step']:.3f}, cProfile total {row['profiled_ms_per_step']:.3f} ms/step"
-                + (f", device busy {row['gpu_busy_ms_per_step']:.3f}" if "gpu_busy_ms_per_step" in row else "")
             )
     result = {
         "question": "host time per compiled generate decode step, stock transformers vs flashcore's layer kernels",
