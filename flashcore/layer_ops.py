@@ -1,6 +1,7 @@
-"""The decoder layer's ops around attention, on flashcore's Triton kernels: RMSNorm, rotary embedding, SiLU-and-mul,
-and the one-row GEMV of a batch-1 decode step's projections (with the RMSNorm before them, the rotary embedding or
-the residual add after them, and for the down projection the SiLU-and-mul folded in).
+"""The decoder layer's ops around attention, on flashcore's Triton kernels: RMSNorm (alone, or with the residual add
+before it), rotary embedding, SiLU-and-mul, and the one-row GEMV of a batch-1 decode step's projections (with the
+RMSNorm before them, the rotary embedding or the residual add after them, and for the down projection the
+SiLU-and-mul folded in).
 
 Why flashcore has its own: a model step runs eagerly, replayed from a CUDA graph, or compiled. Eager and replayed
 PyTorch ops give the same bits, but inductor fuses HF's RMSNorm, RoPE and SwiGLU code without eager's intermediate
@@ -24,7 +25,9 @@ from flashcore.backends import SUPPORTED_DTYPES, on_device_of, triton_interprete
 from flashcore.kernels.triton import gemv as gemv_kernels
 from flashcore.kernels.triton import layer_kernels
 
-__all__ = ["apply_rotary_embedding", "gemv", "gemv_can_rotate", "rms_norm", "silu_and_mul", "silu_and_mul_gemv"]
+__all__ = [
+    "add_rms_norm", "apply_rotary_embedding", "gemv", "gemv_can_rotate", "rms_norm", "silu_and_mul", "silu_and_mul_gemv"
+]  # fmt: skip
 
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -38,22 +41,44 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     Returns:
         A new contiguous tensor of ``hidden_states``' shape and dtype.
     """
-    _check_runs(hidden_states, "hidden_states")
-    hidden = hidden_states.shape[-1]
-    if weight.shape != (hidden,):
-        raise ValueError(f"weight must be [hidden] = [{hidden}] to match hidden_states, got {tuple(weight.shape)}")
-    _check_like(hidden_states, "hidden_states", weight=weight)
-    if hidden > layer_kernels.MAX_NORM_WIDTH:
-        limit = layer_kernels.MAX_NORM_WIDTH
-        raise ValueError(f"rms_norm holds a row in registers: hidden must be <= {limit}, got {hidden}")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
-    rows = hidden_states.reshape(-1, hidden)
+    _check_norm(hidden_states, "hidden_states", weight, eps)
+    rows = hidden_states.reshape(-1, hidden_states.shape[-1])
     if torch.compiler.is_compiling():
         out = torch.ops.flashcore.rms_norm(rows, weight, float(eps))
     else:
         out = layer_kernels.rms_norm_triton(rows, weight, float(eps))
     return out.view(hidden_states.shape)
+
+
+def add_rms_norm(
+    hidden_states: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(total, rms_norm(total, weight, eps))`` with ``total = residual + hidden_states`` rounded to the dtype, in one
+    kernel: a decoder layer's residual add after attention and the RMSNorm before its MLP, to :func:`rms_norm`'s bits.
+
+    Args:
+        hidden_states: ``[..., hidden]``, unit stride along ``hidden``; float16, bfloat16 or float32.
+        residual: the same shape, dtype and device, unit stride along ``hidden``.
+        weight, eps: as for :func:`rms_norm`.
+
+    Returns:
+        Two new contiguous tensors of ``hidden_states``' shape and dtype: the sum and its norm.
+    """
+    _check_norm(hidden_states, "hidden_states", weight, eps)
+    if not isinstance(residual, torch.Tensor) or residual.shape != hidden_states.shape:
+        shape = tuple(residual.shape) if isinstance(residual, torch.Tensor) else type(residual).__name__
+        raise ValueError(f"residual must have hidden_states' shape {tuple(hidden_states.shape)}, got {shape}")
+    _check_like(hidden_states, "hidden_states", residual=residual)
+    hidden = hidden_states.shape[-1]
+    rows, residual_rows = hidden_states.reshape(-1, hidden), residual.reshape(-1, hidden)
+    # contiguous, and written into by the op as the GEMVs' outs are (see the comment above their ops)
+    total = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    out = torch.empty(rows.shape, dtype=rows.dtype, device=rows.device)
+    if torch.compiler.is_compiling():
+        torch.ops.flashcore.add_rms_norm(rows, residual_rows, weight, float(eps), total, out)
+    else:
+        layer_kernels.add_rms_norm_triton(rows, residual_rows, weight, float(eps), total, out)
+    return total.view(hidden_states.shape), out.view(hidden_states.shape)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -281,6 +306,19 @@ def _check_projection(
     return bias, residual.reshape(-1) if residual is not None else None
 
 
+def _check_norm(hidden_states: torch.Tensor, name: str, weight: torch.Tensor, eps: float) -> None:
+    _check_runs(hidden_states, name)
+    hidden = hidden_states.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must be [hidden] = [{hidden}] to match {name}, got {tuple(weight.shape)}")
+    _check_like(hidden_states, name, weight=weight)
+    if hidden > layer_kernels.MAX_NORM_WIDTH:
+        limit = layer_kernels.MAX_NORM_WIDTH
+        raise ValueError(f"rms_norm holds a row in registers: hidden must be <= {limit}, got {hidden}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+
+
 def _check_runs(tensor: torch.Tensor, name: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
@@ -318,6 +356,14 @@ def _rms_norm_op(rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 @_rms_norm_op.register_fake
 def _(rows, weight, eps):
     return rows.new_empty(rows.shape)
+
+
+@torch.library.custom_op("flashcore::add_rms_norm", mutates_args=("total", "out"))
+def _add_rms_norm_op(
+    rows: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, total: torch.Tensor, out: torch.Tensor
+) -> None:
+    with on_device_of(rows):
+        layer_kernels.add_rms_norm_triton(rows, residual, weight, eps, total, out)
 
 
 @torch.library.custom_op("flashcore::silu_and_mul", mutates_args=())

@@ -19,7 +19,8 @@ forwards, and transformers has no extension point there:
   (:func:`flashcore.layer_ops.silu_and_mul_gemv`): four launches per layer where there were ten. So with the layer
   kernels the decoder layer's forward hands each sublayer its norm and its residual. The attention and the MLP
   forwards apply the norm first (or inside the GEMV) and return the residual added (``residual + o_proj(...)``,
-  ``residual + down_proj(...)``), what stock's layer computes around them.
+  ``residual + down_proj(...)``), what stock's layer computes around them. At more than one token, where the
+  projections are GEMMs, the add after attention and the norm after it run as one kernel between the two.
 - ``fuse_projections=True`` computes q, k and v (and gate and up) with one GEMM, whose output the stock forwards
   cannot take: they call each projection module separately.
 
@@ -64,15 +65,23 @@ def sync_forwards(model: torch.nn.Module) -> None:
 
 
 def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
-    """``LlamaDecoderLayer.forward`` with each RMSNorm and residual add handed to the sublayer after and before it;
-    installed with the layer kernels only, whose attention and MLP forwards (below) take ``norm`` and ``residual``.
-    ``kwargs`` (the mask, positions, cache and rotary embedding, by whichever names the model passes them) go to the
-    attention as stock's do."""
+    """``LlamaDecoderLayer.forward`` with each RMSNorm and residual add handed to the sublayer after and before it,
+    whose forwards (below) take ``norm`` and ``residual``; installed with the layer kernels only. At one token the
+    GEMVs compute them. At more, the add after attention and the norm after that add run as one kernel
+    (:func:`flashcore.layer_ops.add_rms_norm`) between the sublayers. ``kwargs`` (the mask, positions, cache and
+    rotary embedding, by whichever names the model passes them) go to the attention as stock's do."""
     residual = hidden_states
-    hidden_states, _ = self.self_attn(
-        hidden_states=hidden_states, norm=self.input_layernorm, residual=residual, **kwargs
-    )
-    return self.mlp(hidden_states, norm=self.post_attention_layernorm, residual=hidden_states)
+    norm = self.post_attention_layernorm
+    if hidden_states.numel() == hidden_states.shape[-1] or not layer_kernels.runs_kernel_norm(norm):
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states, norm=self.input_layernorm, residual=residual, **kwargs
+        )
+        return self.mlp(hidden_states, norm=norm, residual=hidden_states)
+    # More than one token: the projections are GEMMs that take no residual or norm, so the add after attention and
+    # the norm before the MLP run as one kernel.
+    attn_output, _ = self.self_attn(hidden_states=hidden_states, norm=self.input_layernorm, **kwargs)
+    hidden_states, normed = layer_ops.add_rms_norm(attn_output, residual, norm.weight, norm.variance_epsilon)
+    return self.mlp(normed, residual=hidden_states)
 
 
 def attention_forward(

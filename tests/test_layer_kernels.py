@@ -61,6 +61,50 @@ def test_rms_norm_reads_strided_rows(dtype, device, generator):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 64), (3, 5, 96), (2, 7, 1000), (16, 1, 2048)])
+def test_add_rms_norm_is_the_add_then_rms_norm(shape, dtype, device, generator):
+    """The residual add after attention and the norm before the MLP in one kernel: the sum is torch's (one rounding
+    of the exact sum), and the norm is ``rms_norm``'s of that sum to the bit (same kernel code after the add), so
+    also within ``LlamaRMSNorm``'s bound. The inputs are rows of wider tensors, read with their strides."""
+    wide = randn((2, *shape[:-1], shape[-1] + 16), generator=generator, dtype=dtype, device=device) * 3
+    x, residual = wide[0, ..., 8 : 8 + shape[-1]], wide[1, ..., : shape[-1]]
+    norm = LlamaRMSNorm(shape[-1], eps=1e-5).to(device=device, dtype=dtype)
+    norm.weight.data = randn(shape[-1:], generator=generator, dtype=dtype, device=device)
+
+    total, out = layer_ops.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
+
+    for result in (total, out):
+        assert result.shape == x.shape and result.dtype == dtype and result.is_contiguous()
+    assert torch.equal(total, residual + x)
+    assert torch.equal(out, layer_ops.rms_norm(residual + x, norm.weight, norm.variance_epsilon))
+    torch.testing.assert_close(out, norm(residual + x), **ulps(dtype, 2))
+
+
+def test_add_rms_norm_op_compiles_to_eager_bits(device, generator):
+    """Under ``torch.compile`` the fused add and norm runs as ``flashcore::add_rms_norm``, which writes into the two
+    outputs its caller allocates (as the GEMV ops do); opcheck checks that claim, and a fullgraph compile of a chain
+    of them, each sum read by the next, gives the eager bits."""
+    x = randn((3, 2, 96), generator=generator, dtype=torch.float32, device=device)
+    weight = 1 + randn((96,), generator=generator, dtype=torch.float32, device=device) / 4
+    rows = x.reshape(-1, 96)
+    torch.library.opcheck(
+        torch.ops.flashcore.add_rms_norm.default,
+        (rows, rows * 2, weight, 1e-5, torch.empty_like(rows), torch.empty_like(rows)),
+    )
+
+    def chain(hidden):
+        residual = hidden
+        for _ in range(3):
+            residual, hidden = layer_ops.add_rms_norm(hidden * 0.5, residual, weight, 1e-5)
+        return residual, hidden
+
+    torch._dynamo.reset()
+    compiled = torch.compile(chain, fullgraph=True)(x)
+    for got, expected in zip(compiled, chain(x), strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1, 64), (2, 3, 300), (1, 4, 2500)])
 @pytest.mark.parametrize("layout", ["separate", "fused_halves"])
 def test_silu_and_mul_matches_hf_swiglu(shape, layout, dtype, device, generator):
@@ -299,6 +343,12 @@ def test_errors_name_the_argument_and_the_fix(device, generator, monkeypatch):
         layer_ops.rms_norm(x, x[0].half(), 1e-5)
     with pytest.raises(ValueError, match="unit stride along its last dim"):
         layer_ops.rms_norm(x.t(), x[:, 0], 1e-5)
+    with pytest.raises(ValueError, match=r"residual must have hidden_states' shape \(2, 64\)"):
+        layer_ops.add_rms_norm(x, x[:1], x[0], 1e-5)
+    with pytest.raises(TypeError, match="residual dtype torch.float16 must match hidden_states"):
+        layer_ops.add_rms_norm(x, x.half(), x[0], 1e-5)
+    with pytest.raises(ValueError, match=r"weight must be \[hidden\] = \[64\]"):
+        layer_ops.add_rms_norm(x, x, x[0, :32], 1e-5)
     with pytest.raises(ValueError, match="up must have gate's shape"):
         layer_ops.silu_and_mul(x, x[:, :10])
     query = randn((1, 4, 3, 6), generator=generator, dtype=torch.float32, device=device)
@@ -321,6 +371,7 @@ def layer_kernel_launches(monkeypatch):
     counts = {}
     for module, name in (
         (layer_kernels, "rms_norm_triton"),
+        (layer_kernels, "add_rms_norm_triton"),
         (layer_kernels, "silu_and_mul_triton"),
         (layer_kernels, "rotary_embedding_triton"),
         (gemv_kernels, "gemv_triton"),
@@ -363,7 +414,8 @@ def test_patched_model_matches_stock_and_runs_the_kernels(
     torch.testing.assert_close(logits[real], stock_logits[real], rtol=1e-4, atol=1e-4)
     layers, forwards = model.config.num_hidden_layers, 5  # a prefill and 4 decode steps
     assert layer_kernel_launches == {
-        "rms_norm_triton": (2 * layers + 1) * forwards,
+        "add_rms_norm_triton": layers * forwards,  # the add after attention and the norm before the MLP
+        "rms_norm_triton": (layers + 1) * forwards,
         "rotary_embedding_triton": layers * forwards,
         "silu_and_mul_triton": layers * forwards,
     }  # no GEMV: every forward has three rows
@@ -403,7 +455,8 @@ def test_batch_1_decode_runs_the_gemv(fuse_first, with_bias, device, generator, 
     assert model.config.head_dim % 8 == 0  # what the GEMV's RoPE takes
     assert launches == {
         "gemv_triton": decode_steps * layers * projections + 1 + decode_steps,  # and the LM head's, of the last token
-        "rms_norm_triton": 2 * layers + 1 + decode_steps,
+        "add_rms_norm_triton": layers,
+        "rms_norm_triton": layers + 1 + decode_steps,
         "rotary_embedding_triton": layers,
         "silu_and_mul_triton": layers,
     }

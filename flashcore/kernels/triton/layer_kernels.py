@@ -1,4 +1,5 @@
-"""The decoder layer's pointwise kernels around attention: RMSNorm, SiLU-and-mul, rotary embedding.
+"""The decoder layer's pointwise kernels around attention: RMSNorm (alone, or after the residual add), SiLU-and-mul,
+rotary embedding.
 
 Each kernel rounds to the input dtype where transformers' eager code does (``LlamaRMSNorm``, ``act_fn(gate) * up``,
 ``apply_rotary_pos_emb``), so in bf16 it differs from HF's eager result only in the norm's summation order and in
@@ -6,7 +7,7 @@ the ``exp``/``rsqrt`` implementations; the RoPE's products and sums are HF's to 
 point is that eager calls, CUDA-graph replays and ``torch.compile`` all run these same kernels
 (``flashcore/layer_ops.py``), so they give the same bits.
 
-All three launch with programmatic dependent launch where flashcore's attention kernel does: a launch may start
+All of them launch with programmatic dependent launch where flashcore's attention kernel does: a launch may start
 while the previous kernel drains, and ``gdc_wait`` holds every memory access until that kernel's writes are visible.
 Right after its wait each releases its dependents (``gdc_launch_dependents``), so that the next kernel, a GEMV of
 ``flashcore/kernels/triton/gemv.py`` that loads its weight before its own wait, starts while this one runs. That is
@@ -50,6 +51,38 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / hidden + eps)
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row * hidden + offs, rms_normalize(x, inv_rms, weight), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    x_ptr,  # [rows, hidden], unit stride along hidden
+    residual_ptr,  # [rows, hidden], unit stride along hidden
+    weight_ptr,  # [hidden]
+    sum_ptr,  # [rows, hidden], contiguous
+    out_ptr,  # [rows, hidden], contiguous
+    stride_x_row,
+    stride_residual_row,
+    hidden,
+    eps,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One program per row: ``sum = (residual + x).to(dtype)``, then :func:`_rms_norm_kernel`'s norm of ``sum``, op
+    for op: HF's ``residual + hidden_states`` followed by the next ``LlamaRMSNorm``."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    x = tl.load(x_ptr + row * stride_x_row + offs, mask=mask, other=0.0)
+    residual = tl.load(residual_ptr + row * stride_residual_row + offs, mask=mask, other=0.0)
+    total = (residual.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+    tl.store(sum_ptr + row * hidden + offs, total, mask=mask)
+    squares = total.to(tl.float32) * total.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / hidden + eps)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * hidden + offs, rms_normalize(total, inv_rms, weight), mask=mask)
 
 
 @triton.jit
@@ -178,6 +211,7 @@ def _rotary_embedding_kernel(
 
 
 _launch_rms_norm = CachedLauncher(_rms_norm_kernel)
+_launch_add_rms_norm = CachedLauncher(_add_rms_norm_kernel)
 _launch_silu_and_mul = CachedLauncher(_silu_and_mul_kernel)
 _launch_rotary_embedding = CachedLauncher(_rotary_embedding_kernel)
 
@@ -192,11 +226,29 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
         (rows, 1, 1),
         (x, weight, out, x.stride(0), hidden, float(eps)),
         dict(BLOCK=block, USE_PDL=use_pdl),
-        num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
+        num_warps=_norm_warps(block),
         num_stages=1,
         launch_pdl=use_pdl,
     )
     return out
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, sum_out: torch.Tensor, out: torch.Tensor
+) -> None:
+    """``x``, ``residual``: ``[rows, hidden]`` with unit stride along hidden; writes ``residual + x`` into ``sum_out``
+    and its RMSNorm into ``out`` (both contiguous ``[rows, hidden]``)."""
+    rows, hidden = x.shape
+    block = triton.next_power_of_2(hidden)
+    use_pdl = uses_programmatic_launch(x.device)
+    _launch_add_rms_norm(
+        (rows, 1, 1),
+        (x, residual, weight, sum_out, out, x.stride(0), residual.stride(0), hidden, float(eps)),
+        dict(BLOCK=block, USE_PDL=use_pdl),
+        num_warps=_norm_warps(block),
+        num_stages=1,
+        launch_pdl=use_pdl,
+    )
 
 
 def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -214,6 +266,10 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         launch_pdl=use_pdl,
     )
     return out
+
+
+def _norm_warps(block: int) -> int:
+    return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
 def rotary_embedding_triton(
