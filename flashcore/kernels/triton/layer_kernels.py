@@ -30,45 +30,21 @@ MAX_NORM_WIDTH = 65536  # one program holds a whole row of the norm in registers
 @triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [rows, hidden], unit stride along hidden
+    residual_ptr,  # [rows, hidden], unit stride along hidden; read only when HAS_RESIDUAL
     weight_ptr,  # [hidden]
-    out_ptr,  # [rows, hidden], contiguous
-    stride_x_row,
-    hidden,
-    eps,
-    BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """One program per row: ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``, in fp32 with HF's one rounding
-    before the weight."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < hidden
-    if USE_PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    x = tl.load(x_ptr + row * stride_x_row + offs, mask=mask, other=0.0)
-    squares = x.to(tl.float32) * x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / hidden + eps)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * hidden + offs, rms_normalize(x, inv_rms, weight), mask=mask)
-
-
-@triton.jit
-def _add_rms_norm_kernel(
-    x_ptr,  # [rows, hidden], unit stride along hidden
-    residual_ptr,  # [rows, hidden], unit stride along hidden
-    weight_ptr,  # [hidden]
-    sum_ptr,  # [rows, hidden], contiguous
+    sum_ptr,  # [rows, hidden], contiguous; written only when HAS_RESIDUAL
     out_ptr,  # [rows, hidden], contiguous
     stride_x_row,
     stride_residual_row,
     hidden,
     eps,
     BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One program per row: ``sum = (residual + x).to(dtype)``, then :func:`_rms_norm_kernel`'s norm of ``sum``, op
-    for op: HF's ``residual + hidden_states`` followed by the next ``LlamaRMSNorm``."""
+    """One program per row: ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``, in fp32 with HF's one rounding
+    before the weight. With ``HAS_RESIDUAL``, ``x`` is first replaced by ``(residual + x).to(dtype)``, written to
+    ``sum``: HF's ``residual + hidden_states`` followed by the next ``LlamaRMSNorm``."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -76,13 +52,14 @@ def _add_rms_norm_kernel(
         gdc_wait()
         gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x_row + offs, mask=mask, other=0.0)
-    residual = tl.load(residual_ptr + row * stride_residual_row + offs, mask=mask, other=0.0)
-    total = (residual.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
-    tl.store(sum_ptr + row * hidden + offs, total, mask=mask)
-    squares = total.to(tl.float32) * total.to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_residual_row + offs, mask=mask, other=0.0)
+        x = (residual.to(tl.float32) + x.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * hidden + offs, x, mask=mask)
+    squares = x.to(tl.float32) * x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / hidden + eps)
     weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * hidden + offs, rms_normalize(total, inv_rms, weight), mask=mask)
+    tl.store(out_ptr + row * hidden + offs, rms_normalize(x, inv_rms, weight), mask=mask)
 
 
 @triton.jit
@@ -211,25 +188,14 @@ def _rotary_embedding_kernel(
 
 
 _launch_rms_norm = CachedLauncher(_rms_norm_kernel)
-_launch_add_rms_norm = CachedLauncher(_add_rms_norm_kernel)
 _launch_silu_and_mul = CachedLauncher(_silu_and_mul_kernel)
 _launch_rotary_embedding = CachedLauncher(_rotary_embedding_kernel)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x`` ``[rows, hidden]`` with unit stride along hidden; returns a contiguous ``[rows, hidden]``."""
-    rows, hidden = x.shape
-    out = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
-    block = triton.next_power_of_2(hidden)
-    use_pdl = uses_programmatic_launch(x.device)
-    _launch_rms_norm(
-        (rows, 1, 1),
-        (x, weight, out, x.stride(0), hidden, float(eps)),
-        dict(BLOCK=block, USE_PDL=use_pdl),
-        num_warps=_norm_warps(block),
-        num_stages=1,
-        launch_pdl=use_pdl,
-    )
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_norm(x, None, weight, eps, None, out)
     return out
 
 
@@ -238,17 +204,25 @@ def add_rms_norm_triton(
 ) -> None:
     """``x``, ``residual``: ``[rows, hidden]`` with unit stride along hidden; writes ``residual + x`` into ``sum_out``
     and its RMSNorm into ``out`` (both contiguous ``[rows, hidden]``)."""
+    _launch_norm(x, residual, weight, eps, sum_out, out)
+
+
+def _launch_norm(x, residual, weight, eps, sum_out, out) -> None:
     rows, hidden = x.shape
     block = triton.next_power_of_2(hidden)
+    has_residual = residual is not None
     use_pdl = uses_programmatic_launch(x.device)
-    _launch_add_rms_norm(
+    _launch_rms_norm(
         (rows, 1, 1),
-        (x, residual, weight, sum_out, out, x.stride(0), residual.stride(0), hidden, float(eps)),
-        dict(BLOCK=block, USE_PDL=use_pdl),
-        num_warps=_norm_warps(block),
+        (
+            x, residual if has_residual else x, weight, sum_out if has_residual else out, out,
+            x.stride(0), residual.stride(0) if has_residual else 0, hidden, float(eps),
+        ),
+        dict(BLOCK=block, HAS_RESIDUAL=has_residual, USE_PDL=use_pdl),
+        num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
         num_stages=1,
         launch_pdl=use_pdl,
-    )
+    )  # fmt: skip
 
 
 def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -266,10 +240,6 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         launch_pdl=use_pdl,
     )
     return out
-
-
-def _norm_warps(block: int) -> int:
-    return 4 if block <= 1024 else 8 if block <= 4096 else 16
 
 
 def rotary_embedding_triton(
