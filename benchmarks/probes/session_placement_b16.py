@@ -1,0 +1,79 @@
+"""Issue 29: why a B=16 session's replayed step is about 70 µs slower from the fourth session of a process on.
+
+``probes/session_add_norm_b16.py`` (entry 63) timed fresh ``DecodeSession``s one after another on one model: the
+first three sessions of the process stepped in 1433-1453 µs, every later one in 1502-1528, whatever the variant,
+with the SM clock at 1980 MHz throughout. This probe builds ``--sessions`` sessions in turn (``fuse_projections``,
+``layer_kernels``, no compile; ``bench_generate``'s model, bf16, 16 random 512-token prompts, ``max_cache_len``
+2048), times each as the session probes do (``harness.session_steps``), and records where its buffers landed: each
+layer's K and V buffer addresses (their offsets in 2 MiB pages) and the caching allocator's reserved and allocated
+bytes. With ``--empty-cache`` the allocator returns its free blocks to the driver between sessions.
+
+    python benchmarks/probes/session_placement_b16.py --out session_placement_b16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness  # noqa: E402
+from bench_generate import build_config, build_model  # noqa: E402
+
+from flashcore.integrations.decode_session import DecodeSession  # noqa: E402
+
+PAGE = 2 * 2**20
+
+
+def placement(session: DecodeSession) -> dict:
+    keys = [session.cache.get_kv_cache(i) for i in range(len(session.cache.layers))]
+    return {
+        "k_ptrs": [hex(k.data_ptr()) for k, _, _ in keys],
+        "v_ptrs": [hex(v.data_ptr()) for _, v, _ in keys],
+        "k_page_offsets": [k.data_ptr() % PAGE for k, _, _ in keys],
+        "v_page_offsets": [v.data_ptr() % PAGE for _, v, _ in keys],
+        "reserved_mb": torch.cuda.memory_reserved() / 2**20,
+        "allocated_mb": torch.cuda.memory_allocated() / 2**20,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--empty-cache", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    model = build_model(build_config(is_tiny=False), device)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, model.config.vocab_size, (16, 512), generator=generator).to(device)
+    options = dict(fuse_projections=True, layer_kernels=True)
+    max_cache_len, replays = harness.SESSION_SHAPE["max_cache_len"], harness.SESSION_SHAPE["replays"]
+    rows = []
+    with torch.inference_mode():
+        for index in range(args.sessions):
+            # harness.session_steps, keeping the session to read where its buffers landed
+            session = DecodeSession(model, max_cache_len=max_cache_len, batch_size=16, **options)
+            session.prefill(input_ids)
+            for _ in range(31):
+                session.decode_step()
+            timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, replays, 5)]
+            rows.append({"session": index, "us_per_step": statistics.median(timings), **placement(session)})
+            del session
+            gc.collect()
+            if args.empty_cache:
+                torch.cuda.empty_cache()
+            print(index, round(rows[-1]["us_per_step"], 1), rows[-1]["k_ptrs"][0], rows[-1]["reserved_mb"], flush=True)
+    result = {"environment": harness.environment(device), "settings": vars(args), "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
