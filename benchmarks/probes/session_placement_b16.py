@@ -6,7 +6,8 @@ with the SM clock at 1980 MHz throughout. This probe builds ``--sessions`` sessi
 ``layer_kernels``, no compile; ``bench_generate``'s model, bf16, 16 random 512-token prompts, ``max_cache_len``
 2048), times each as the session probes do (``harness.session_steps``), and records where its buffers landed: each
 layer's K and V buffer addresses (their offsets in 2 MiB pages) and the caching allocator's reserved and allocated
-bytes. With ``--empty-cache`` the allocator returns its free blocks to the driver between sessions.
+bytes. With ``--empty-cache`` the allocator returns its free blocks to the driver between sessions; with ``--keep``
+every session stays alive (its cache, scratch and CUDA graphs held) while the next ones run.
 
     python benchmarks/probes/session_placement_b16.py --out session_placement_b16.json
 """
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--empty-cache", action="store_true")
+    parser.add_argument("--keep", action="store_true", help="keep every session alive (as a reference cycle would)")
     args = parser.parse_args()
     device = torch.device("cuda")
     model = build_model(build_config(is_tiny=False), device)
@@ -56,7 +58,7 @@ def main() -> None:
     input_ids = torch.randint(3, model.config.vocab_size, (16, 512), generator=generator).to(device)
     options = dict(fuse_projections=True, layer_kernels=True)
     max_cache_len, replays = harness.SESSION_SHAPE["max_cache_len"], harness.SESSION_SHAPE["replays"]
-    rows = []
+    rows, kept = [], []
     with torch.inference_mode():
         for index in range(args.sessions):
             # harness.session_steps, keeping the session to read where its buffers landed
@@ -66,6 +68,8 @@ def main() -> None:
                 session.decode_step()
             timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, replays, 5)]
             rows.append({"session": index, "us_per_step": statistics.median(timings), **placement(session)})
+            if args.keep:
+                kept.append(session)
             del session
             gc.collect()
             if args.empty_cache:
