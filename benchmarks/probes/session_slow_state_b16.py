@@ -1,0 +1,63 @@
+"""Issue 29: which kernels make a B=16 session's step about 70 µs slower from the fourth session of a process on.
+
+``probes/session_add_norm_b16.py`` (entry 63) alternated two variants of a session (the add after attention and the
+MLP's norm as two launches or one) and found the first three sessions of the process stepping in 1433-1453 µs and
+every later one in 1502-1528; ``probes/session_placement_b16.py`` built eight sessions of one variant in a row and
+found them all fast, wherever their caches landed and whether or not the earlier ones stayed alive. This probe
+alternates the two variants as the first did, ``--sessions`` times, and profiles each session's replayed steps
+with ``decode_step_kernels.profile_variant`` (``fuse_projections``, ``layer_kernels``, no compile): the span and
+each category's advance, per session in order.
+
+    python benchmarks/probes/session_slow_state_b16.py --out session_slow_state_b16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import decode_step_kernels  # noqa: E402
+import harness  # noqa: E402
+from bench_generate import build_config, build_model  # noqa: E402
+
+from flashcore.integrations import layer_kernels  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sessions", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    model = build_model(build_config(is_tiny=False), device)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, model.config.vocab_size, (16, 512), generator=generator).to(device)
+    runs_kernel_norm = layer_kernels.runs_kernel_norm
+    rows = []
+    with torch.inference_mode():
+        for index in range(args.sessions):
+            fused = index % 2 == 1
+            layer_kernels.runs_kernel_norm = runs_kernel_norm if fused else (lambda norm: False)
+            try:
+                profile = decode_step_kernels.profile_variant(
+                    model, input_ids, dict(fuse_projections=True, layer_kernels=True), args.steps
+                )
+            finally:
+                layer_kernels.runs_kernel_norm = runs_kernel_norm
+            profile.pop("median_step")
+            rows.append({"session": index, "variant": "fused" if fused else "separate", **profile})
+            summary = {key: round(value, 1) for key, value in profile["advance_us_by_category"].items()}
+            print(index, rows[-1]["variant"], round(profile["span_us_median"], 1), summary, flush=True)
+    result = {"environment": harness.environment(device), "settings": vars(args), "rows": rows}
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
