@@ -7,7 +7,9 @@ with the SM clock at 1980 MHz throughout. This probe builds ``--sessions`` sessi
 2048), times each as the session probes do (``harness.session_steps``), and records where its buffers landed: each
 layer's K and V buffer addresses (their offsets in 2 MiB pages) and the caching allocator's reserved and allocated
 bytes. With ``--empty-cache`` the allocator returns its free blocks to the driver between sessions; with ``--keep``
-every session stays alive (its cache, scratch and CUDA graphs held) while the next ones run.
+every session stays alive (its cache, scratch and CUDA graphs held) while the next ones run; with ``--alternate``
+the even sessions run the add after attention and the MLP's norm as two launches (as ``session_add_norm_b16.py``'s
+``separate``); with ``--no-gc`` a finished session is left to Python's collector, as the session probes leave it.
 
     python benchmarks/probes/session_placement_b16.py --out session_placement_b16.json
 """
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 from bench_generate import build_config, build_model  # noqa: E402
 
+from flashcore.integrations import layer_kernels  # noqa: E402
 from flashcore.integrations.decode_session import DecodeSession  # noqa: E402
 
 PAGE = 2 * 2**20
@@ -51,6 +54,8 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--empty-cache", action="store_true")
     parser.add_argument("--keep", action="store_true", help="keep every session alive (as a reference cycle would)")
+    parser.add_argument("--alternate", action="store_true", help="odd sessions run the add and the norm apart")
+    parser.add_argument("--no-gc", action="store_true", help="no gc.collect() after a session")
     args = parser.parse_args()
     device = torch.device("cuda")
     model = build_model(build_config(is_tiny=False), device)
@@ -59,19 +64,26 @@ def main() -> None:
     options = dict(fuse_projections=True, layer_kernels=True)
     max_cache_len, replays = harness.SESSION_SHAPE["max_cache_len"], harness.SESSION_SHAPE["replays"]
     rows, kept = [], []
+    runs_kernel_norm = layer_kernels.runs_kernel_norm
     with torch.inference_mode():
         for index in range(args.sessions):
             # harness.session_steps, keeping the session to read where its buffers landed
-            session = DecodeSession(model, max_cache_len=max_cache_len, batch_size=16, **options)
-            session.prefill(input_ids)
-            for _ in range(31):
-                session.decode_step()
-            timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, replays, 5)]
+            if args.alternate and index % 2 == 0:
+                layer_kernels.runs_kernel_norm = lambda norm: False  # the add and the norm as two launches
+            try:
+                session = DecodeSession(model, max_cache_len=max_cache_len, batch_size=16, **options)
+                session.prefill(input_ids)
+                for _ in range(31):
+                    session.decode_step()
+                timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, replays, 5)]
+            finally:
+                layer_kernels.runs_kernel_norm = runs_kernel_norm
             rows.append({"session": index, "us_per_step": statistics.median(timings), **placement(session)})
             if args.keep:
                 kept.append(session)
             del session
-            gc.collect()
+            if not args.no_gc:
+                gc.collect()
             if args.empty_cache:
                 torch.cuda.empty_cache()
             print(index, round(rows[-1]["us_per_step"], 1), rows[-1]["k_ptrs"][0], rows[-1]["reserved_mb"], flush=True)
