@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep every session alive (as a reference cycle would)")
     parser.add_argument("--alternate", action="store_true", help="odd sessions run the add and the norm apart")
     parser.add_argument("--no-gc", action="store_true", help="no gc.collect() after a session")
+    parser.add_argument("--clone", action="store_true", help="clone each warm-up token, as harness.session_steps does")
     args = parser.parse_args()
     device = torch.device("cuda")
     model = build_model(build_config(is_tiny=False), device)
@@ -72,9 +73,9 @@ def main() -> None:
                 layer_kernels.runs_kernel_norm = lambda norm: False  # the add and the norm as two launches
             try:
                 session = DecodeSession(model, max_cache_len=max_cache_len, batch_size=16, **options)
-                session.prefill(input_ids)
-                for _ in range(31):
-                    session.decode_step()
+                keep = (lambda token: token.clone()) if args.clone else (lambda token: token)
+                tokens = [keep(session.prefill(input_ids))]
+                tokens += [keep(session.decode_step()) for _ in range(31)]
                 timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, replays, 5)]
             finally:
                 layer_kernels.runs_kernel_norm = runs_kernel_norm
