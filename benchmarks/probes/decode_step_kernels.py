@@ -66,14 +66,19 @@ def category(name: str) -> str:
 
 
 def profile_variant(model, input_ids, options: dict, steps: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
     from flashcore.integrations.decode_session import DecodeSession
 
     session = DecodeSession(model, max_cache_len=2048, batch_size=input_ids.shape[0], **options)
     session.prefill(input_ids)
     for _ in range(8):  # eager warm-up (and compilation), capture, replays
         session.decode_step()
+    return profile_session(session, steps)
+
+
+def profile_session(session, steps: int) -> dict:
+    """``steps`` replayed decode steps of a warmed-up ``session`` under torch.profiler, read back as above."""
+    from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):

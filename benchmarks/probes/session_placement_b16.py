@@ -9,7 +9,9 @@ layer's K and V buffer addresses (their offsets in 2 MiB pages) and the caching 
 bytes. With ``--empty-cache`` the allocator returns its free blocks to the driver between sessions; with ``--keep``
 every session stays alive (its cache, scratch and CUDA graphs held) while the next ones run; with ``--alternate``
 the even sessions run the add after attention and the MLP's norm as two launches (as ``session_add_norm_b16.py``'s
-``separate``); with ``--no-gc`` a finished session is left to Python's collector, as the session probes leave it.
+``separate``); with ``--no-gc`` a finished session is left to Python's collector, as the session probes leave it;
+with ``--clone`` each warm-up step's token is cloned, as ``harness.session_steps`` does; with ``--profile`` each
+session's replayed steps are also profiled (``decode_step_kernels.profile_session``), advance by kernel category.
 
     python benchmarks/probes/session_placement_b16.py --out session_placement_b16.json
 """
@@ -27,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import decode_step_kernels  # noqa: E402
 import harness  # noqa: E402
 from bench_generate import build_config, build_model  # noqa: E402
 
@@ -57,6 +60,7 @@ def main() -> None:
     parser.add_argument("--alternate", action="store_true", help="odd sessions run the add and the norm apart")
     parser.add_argument("--no-gc", action="store_true", help="no gc.collect() after a session")
     parser.add_argument("--clone", action="store_true", help="clone each warm-up token, as harness.session_steps does")
+    parser.add_argument("--profile", action="store_true", help="also each session's kernels by category")
     args = parser.parse_args()
     device = torch.device("cuda")
     model = build_model(build_config(is_tiny=False), device)
@@ -80,6 +84,11 @@ def main() -> None:
             finally:
                 layer_kernels.runs_kernel_norm = runs_kernel_norm
             rows.append({"session": index, "us_per_step": statistics.median(timings), **placement(session)})
+            if args.profile:
+                profile = decode_step_kernels.profile_session(session, 10)
+                rows[-1]["span_us_median"] = profile["span_us_median"]
+                rows[-1]["advance_us_by_category"] = profile["advance_us_by_category"]
+                print({key: round(value, 1) for key, value in profile["advance_us_by_category"].items()}, flush=True)
             if args.keep:
                 kept.append(session)
             del session
