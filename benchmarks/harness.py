@@ -405,7 +405,11 @@ def session_steps(model, input_ids: torch.Tensor, **options) -> dict:
     (``SESSION_SHAPE``'s capacity, 2048 by default) over ``input_ids``' rows gives 32 greedy tokens (the prefill's,
     an eager warm-up step, the capture, replays), then 5 timings of ``SESSION_SHAPE["replays"]`` replayed steps (100
     by default: the context grows by 500 tokens over them). Returns ``{"us_per_step": the median timing, "tokens":
-    row 0's tokens}``, a run for :func:`alternating_step_rounds`."""
+    row 0's tokens}``, a run for :func:`alternating_step_rounds`.
+
+    On the H100 at B=16, sessions timed this way from the fourth of a process on have stepped about 70 µs slower
+    than the first three, every kernel a little slower, and only where the warm-up tokens are cloned as here
+    (NOTES.md, entry 63; not explained). Compare variants within rounds that ran in the same state."""
     from flashcore.integrations.decode_session import DecodeSession
 
     max_cache_len, replays = SESSION_SHAPE["max_cache_len"], SESSION_SHAPE["replays"]
