@@ -72,7 +72,7 @@ def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.
     rotary embedding, by whichever names the model passes them) go to the attention as stock's do."""
     residual = hidden_states
     norm = self.post_attention_layernorm
-    if hidden_states.numel() == hidden_states.shape[-1] or not layer_kernels.runs_kernel_norm(norm):
+    if _runs_gemv(self, hidden_states) or not layer_kernels.runs_kernel_norm(norm):
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states, norm=self.input_layernorm, residual=residual, **kwargs
         )

@@ -1,17 +1,21 @@
-"""Issue 29: why a B=16 session's replayed step is about 70 µs slower from the fourth session of a process on.
+"""Issue 29: why a B=16 ``DecodeSession``'s replayed step is about 70 µs slower from the fourth one of a process on.
 
-``probes/session_add_norm_b16.py`` (entry 63) timed fresh ``DecodeSession``s one after another on one model: the
-first three sessions of the process stepped in 1433-1453 µs, every later one in 1502-1528, whatever the variant,
-with the SM clock at 1980 MHz throughout. This probe builds ``--sessions`` sessions in turn (``fuse_projections``,
-``layer_kernels``, no compile; ``bench_generate``'s model, bf16, 16 random 512-token prompts, ``max_cache_len``
-2048), times each as the session probes do (``harness.session_steps``), and records where its buffers landed: each
+``probes/session_add_norm_b16.py`` (entry 63) timed fresh ``DecodeSession`` objects one after another on one model:
+the first three of the process stepped in 1433-1453 µs, every later one in 1502-1528, whatever the variant, with
+the SM clock at 1980 MHz throughout. This probe builds ``--sessions`` ``DecodeSession`` objects in turn
+(``fuse_projections``, ``layer_kernels``, no compile; ``bench_generate``'s model, bf16, 16 random 512-token prompts,
+``max_cache_len`` 2048), times each as ``harness.session_steps`` does, and records where its buffers landed: each
 layer's K and V buffer addresses (their offsets in 2 MiB pages) and the caching allocator's reserved and allocated
-bytes. With ``--empty-cache`` the allocator returns its free blocks to the driver between sessions; with ``--keep``
-every session stays alive (its cache, scratch and CUDA graphs held) while the next ones run; with ``--alternate``
-the even sessions run the add after attention and the MLP's norm as two launches (as ``session_add_norm_b16.py``'s
-``separate``); with ``--no-gc`` a finished session is left to Python's collector, as the session probes leave it;
-with ``--clone`` each warm-up step's token is cloned, as ``harness.session_steps`` does; with ``--profile`` each
-session's replayed steps are also profiled (``decode_step_kernels.profile_session``), advance by kernel category.
+bytes. Options, one change each:
+
+- ``--empty-cache``: the allocator returns its free blocks to the driver after each one;
+- ``--keep``: every one stays alive (its cache, scratch and CUDA graphs held) while the next ones run;
+- ``--alternate``: the even ones run the add after attention and the MLP's norm as two launches (as
+  ``session_add_norm_b16.py``'s ``separate``);
+- ``--no-gc``: a finished one is left to Python's collector, as ``harness.session_steps`` leaves it;
+- ``--clone``: each warm-up step's token is cloned, as ``harness.session_steps`` clones it;
+- ``--profile``: each one's replayed steps are also profiled (``decode_step_kernels.profile_session``), advance by
+  kernel category.
 
     python benchmarks/probes/session_placement_b16.py --out session_placement_b16.json
 """

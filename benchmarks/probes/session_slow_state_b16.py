@@ -1,12 +1,12 @@
-"""Issue 29: which kernels make a B=16 session's step about 70 µs slower from the fourth session of a process on.
+"""Issue 29: which kernels make a B=16 ``DecodeSession``'s step about 70 µs slower from the fourth one of a process on.
 
-``probes/session_add_norm_b16.py`` (entry 63) alternated two variants of a session (the add after attention and the
-MLP's norm as two launches or one) and found the first three sessions of the process stepping in 1433-1453 µs and
-every later one in 1502-1528; ``probes/session_placement_b16.py`` built eight sessions of one variant in a row and
-found them all fast, wherever their caches landed and whether or not the earlier ones stayed alive. This probe
-alternates the two variants as the first did, ``--sessions`` times, and profiles each session's replayed steps
-with ``decode_step_kernels.profile_variant`` (``fuse_projections``, ``layer_kernels``, no compile): the span and
-each category's advance, per session in order.
+``probes/session_add_norm_b16.py`` (entry 63) alternated two variants of a ``DecodeSession`` (the add after attention
+and the MLP's norm as two launches or one) and found the first three of the process stepping in 1433-1453 µs and
+every later one in 1502-1528. This probe alternates the two variants the same way, ``--sessions`` times, and
+profiles each one's replayed steps with ``decode_step_kernels.profile_variant`` (``fuse_projections``,
+``layer_kernels``, no compile): the span and each category's advance, in order. ``profile_variant`` does not clone
+the warm-up tokens, and at 5bbb2ac every one stayed fast: ``probes/session_placement_b16.py --clone --profile``
+later reproduced the slow state and profiled it.
 
     python benchmarks/probes/session_slow_state_b16.py --out session_slow_state_b16.json
 """
