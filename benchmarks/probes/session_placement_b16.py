@@ -14,6 +14,8 @@ bytes. Options, one change each:
   ``session_add_norm_b16.py``'s ``separate``);
 - ``--no-gc``: a finished one is left to Python's collector, as ``harness.session_steps`` leaves it;
 - ``--clone``: each warm-up step's token is cloned, as ``harness.session_steps`` clones it;
+- ``--copy-into``: each warm-up step's token is copied into a buffer allocated before the session (the clone's
+  copy kernels without its allocations);
 - ``--profile``: each one's replayed steps are also profiled (``decode_step_kernels.profile_session``), advance by
   kernel category.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -52,6 +55,26 @@ def placement(session: DecodeSession) -> dict:
         "v_page_offsets": [v.data_ptr() % PAGE for _, v, _ in keys],
         "reserved_mb": torch.cuda.memory_reserved() / 2**20,
         "allocated_mb": torch.cuda.memory_allocated() / 2**20,
+        "segments": segments(),
+    }
+
+
+def segments() -> dict:
+    """The caching allocator's segments: how many, of which pool and type, and their addresses in 2 MiB pages."""
+    rows = torch.cuda.memory_snapshot()
+    return {
+        "count": len(rows),
+        "small": sum(row["segment_type"] == "small" for row in rows),
+        "private_pools": len({tuple(row["segment_pool_id"]) for row in rows} - {(0, 0)}),
+        "pages": sorted(
+            (
+                hex(row["address"] // PAGE),
+                row["total_size"] // 2**10,
+                row["segment_type"][0],
+                list(row["segment_pool_id"]),
+            )
+            for row in rows
+        ),
     }
 
 
@@ -64,6 +87,7 @@ def main() -> None:
     parser.add_argument("--alternate", action="store_true", help="odd sessions run the add and the norm apart")
     parser.add_argument("--no-gc", action="store_true", help="no gc.collect() after a session")
     parser.add_argument("--clone", action="store_true", help="clone each warm-up token, as harness.session_steps does")
+    parser.add_argument("--copy-into", action="store_true", help="copy each warm-up token into a preallocated buffer")
     parser.add_argument("--profile", action="store_true", help="also each session's kernels by category")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -80,10 +104,19 @@ def main() -> None:
             if args.alternate and index % 2 == 0:
                 layer_kernels.runs_kernel_norm = lambda norm: False  # the add and the norm as two launches
             try:
+                saved = torch.empty(32, 16, dtype=torch.long, device=device) if args.copy_into else None
                 session = DecodeSession(model, max_cache_len=max_cache_len, batch_size=16, **options)
-                keep = (lambda token: token.clone()) if args.clone else (lambda token: token)
-                tokens = [keep(session.prefill(input_ids))]
-                tokens += [keep(session.decode_step()) for _ in range(31)]
+                if args.clone:
+                    tokens = [session.prefill(input_ids).clone()]
+                    tokens += [session.decode_step().clone() for _ in range(31)]
+                elif saved is not None:  # --copy-into: the clones' copies, into rows allocated before the session
+                    saved[0].copy_(session.prefill(input_ids))
+                    for row in saved[1:]:
+                        row.copy_(session.decode_step())
+                else:
+                    session.prefill(input_ids)
+                    for _ in range(31):
+                        session.decode_step()
                 timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, replays, 5)]
             finally:
                 layer_kernels.runs_kernel_norm = runs_kernel_norm
@@ -101,7 +134,8 @@ def main() -> None:
             if args.empty_cache:
                 torch.cuda.empty_cache()
             print(index, round(rows[-1]["us_per_step"], 1), rows[-1]["k_ptrs"][0], rows[-1]["reserved_mb"], flush=True)
-    result = {"environment": harness.environment(device), "settings": vars(args), "rows": rows}
+    settings = {**vars(args), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+    result = {"environment": harness.environment(device), "settings": settings, "rows": rows}
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
