@@ -16,6 +16,8 @@ bytes. Options, one change each:
 - ``--clone``: each warm-up step's token is cloned, as ``harness.session_steps`` clones it;
 - ``--copy-into``: each warm-up step's token is copied into a buffer allocated before the session (the clone's
   copy kernels without its allocations);
+- ``--copy-sessions N``: ``--clone`` and ``--copy-into`` apply to the first N sessions only (whether the slow state
+  stays once the copies stop);
 - ``--profile``: each one's replayed steps are also profiled (``decode_step_kernels.profile_session``), advance by
   kernel category.
 
@@ -88,6 +90,7 @@ def main() -> None:
     parser.add_argument("--no-gc", action="store_true", help="no gc.collect() after a session")
     parser.add_argument("--clone", action="store_true", help="clone each warm-up token, as harness.session_steps does")
     parser.add_argument("--copy-into", action="store_true", help="copy each warm-up token into a preallocated buffer")
+    parser.add_argument("--copy-sessions", type=int, default=None, help="copies in the first N sessions only")
     parser.add_argument("--profile", action="store_true", help="also each session's kernels by category")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -106,10 +109,13 @@ def main() -> None:
             try:
                 saved = torch.empty(32, 16, dtype=torch.long, device=device) if args.copy_into else None
                 session = DecodeSession(model, max_cache_len=max_cache_len, batch_size=16, **options)
-                if args.clone:
+                copies = args.copy_sessions is None or index < args.copy_sessions
+                if args.clone and copies:
                     tokens = [session.prefill(input_ids).clone()]
                     tokens += [session.decode_step().clone() for _ in range(31)]
-                elif saved is not None:  # --copy-into: the clones' copies, into rows allocated before the session
+                elif (
+                    saved is not None and copies
+                ):  # --copy-into: the clones' copies, into rows allocated before the session
                     saved[0].copy_(session.prefill(input_ids))
                     for row in saved[1:]:
                         row.copy_(session.decode_step())
@@ -125,6 +131,12 @@ def main() -> None:
                 profile = decode_step_kernels.profile_session(session, 10)
                 rows[-1]["span_us_median"] = profile["span_us_median"]
                 rows[-1]["advance_us_by_category"] = profile["advance_us_by_category"]
+                rows[-1]["us_by_category"] = profile["us_by_category"]
+                rows[-1]["kernel_us_sum"] = profile["kernel_us_sum"]
+                rows[-1]["gap_us_sum"] = profile["gap_us_sum"]
+                rows[-1]["kernels"] = [  # the median step's kernels: name, duration and gap before it, µs
+                    (row["name"][:60], round(row["us"], 2), round(row["gap_us"], 2)) for row in profile["median_step"]
+                ]
                 print({key: round(value, 1) for key, value in profile["advance_us_by_category"].items()}, flush=True)
             if args.keep:
                 kept.append(session)
