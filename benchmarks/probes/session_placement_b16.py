@@ -18,6 +18,9 @@ bytes. Options, one change each:
   copy kernels without its allocations);
 - ``--copy-sessions N``: ``--clone`` and ``--copy-into`` apply to the first N sessions only (whether the slow state
   stays once the copies stop);
+- ``--own-stream``: each one runs (warm-up, capture, timing) on a stream of its own instead of the default stream;
+- ``--fresh-capture-stream``: each one captures on a new stream (``torch.cuda.graph`` otherwise captures every graph
+  of the process on one stream it creates once);
 - ``--profile``: each one's replayed steps are also profiled (``decode_step_kernels.profile_session``), advance by
   kernel category.
 
@@ -91,6 +94,8 @@ def main() -> None:
     parser.add_argument("--clone", action="store_true", help="clone each warm-up token, as harness.session_steps does")
     parser.add_argument("--copy-into", action="store_true", help="copy each warm-up token into a preallocated buffer")
     parser.add_argument("--copy-sessions", type=int, default=None, help="copies in the first N sessions only")
+    parser.add_argument("--own-stream", action="store_true", help="each session on a stream of its own")
+    parser.add_argument("--fresh-capture-stream", action="store_true", help="each session captures on a new stream")
     parser.add_argument("--profile", action="store_true", help="also each session's kernels by category")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -106,16 +111,20 @@ def main() -> None:
             # harness.session_steps, keeping the session to read where its buffers landed
             if args.alternate and index % 2 == 0:
                 layer_kernels.runs_kernel_norm = lambda norm: False  # the add and the norm as two launches
+            if args.fresh_capture_stream:
+                torch.cuda.graph.default_capture_stream = None  # the next capture creates a new one
+            stream = torch.cuda.Stream() if args.own_stream else torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())
             try:
+                stream_context = torch.cuda.stream(stream)
+                stream_context.__enter__()
                 saved = torch.empty(32, 16, dtype=torch.long, device=device) if args.copy_into else None
                 session = DecodeSession(model, max_cache_len=max_cache_len, batch_size=16, **options)
                 copies = args.copy_sessions is None or index < args.copy_sessions
                 if args.clone and copies:
                     tokens = [session.prefill(input_ids).clone()]
                     tokens += [session.decode_step().clone() for _ in range(31)]
-                elif (
-                    saved is not None and copies
-                ):  # --copy-into: the clones' copies, into rows allocated before the session
+                elif saved is not None and copies:  # --copy-into: the copies, into rows allocated before
                     saved[0].copy_(session.prefill(input_ids))
                     for row in saved[1:]:
                         row.copy_(session.decode_step())
@@ -124,7 +133,9 @@ def main() -> None:
                     for _ in range(31):
                         session.decode_step()
                 timings = [1e3 * ms for ms in harness.ms_per_call_repeated(session.decode_step, replays, 5)]
+                torch.cuda.synchronize()
             finally:
+                stream_context.__exit__(None, None, None)
                 layer_kernels.runs_kernel_norm = runs_kernel_norm
             rows.append({"session": index, "us_per_step": statistics.median(timings), **placement(session)})
             if args.profile:
