@@ -21,6 +21,8 @@ bytes. Options, one change each:
 - ``--own-stream``: each one runs (warm-up, capture, timing) on a stream of its own instead of the default stream;
 - ``--fresh-capture-stream``: each one captures on a new stream (``torch.cuda.graph`` otherwise captures every graph
   of the process on one stream it creates once);
+- ``--dump-graphs DIR``: each session's captured graphs written there as DOT (CUDA's verbose dump, gzipped), and
+  their nodes and edges counted by kind in the row;
 - ``--profile``: each one's replayed steps are also profiled (``decode_step_kernels.profile_session``), advance by
   kernel category.
 
@@ -31,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import json
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -62,6 +66,42 @@ def placement(session: DecodeSession) -> dict:
         "allocated_mb": torch.cuda.memory_allocated() / 2**20,
         "segments": segments(),
     }
+
+
+DUMPED: list[Path] = []  # the graphs the current session captured, as dumped
+
+
+def dumping_graph_class(base: type, folder: Path) -> type:
+    """A ``torch.cuda.CUDAGraph`` that dumps itself as DOT once captured (into ``folder``, named by capture)."""
+
+    class DumpingGraph(base):
+        def capture_begin(self, *args, **kwargs):
+            self.enable_debug_mode()
+            return super().capture_begin(*args, **kwargs)
+
+        def capture_end(self):
+            super().capture_end()
+            path = folder / f"graph_{len(list(folder.iterdir())):03d}.dot"
+            self.debug_dump(str(path))
+            DUMPED.append(path)
+
+    return DumpingGraph
+
+
+def graph_summary(path: Path, session: int) -> dict:
+    """A dumped graph's nodes by kind and edges by kind; the DOT file gzipped, named by the session."""
+    text = path.read_text()
+    nodes = re.findall(r"\b(KERNEL|MEMCPY|MEMSET|HOST|GRAPH|EMPTY|WAIT_EVENT|EVENT_RECORD|MEM_ALLOC|MEM_FREE)\b", text)
+    edges = [line for line in text.splitlines() if "->" in line]
+    edge_kinds: dict[str, int] = {}
+    for line in edges:
+        kind = re.sub(r"\d+", "#", line.split("->", 1)[1].split("[", 1)[-1]) if "[" in line else "plain"
+        edge_kinds[kind.strip()[:80]] = edge_kinds.get(kind.strip()[:80], 0) + 1
+    gz = path.with_name(f"session{session}_{path.name}.gz")
+    gz.write_bytes(gzip.compress(text.encode()))
+    path.unlink()
+    return {"file": gz.name, "nodes": {kind: nodes.count(kind) for kind in set(nodes)}, "edges": len(edges),
+            "edge_kinds": edge_kinds}  # fmt: skip
 
 
 def segments() -> dict:
@@ -96,6 +136,7 @@ def main() -> None:
     parser.add_argument("--copy-sessions", type=int, default=None, help="copies in the first N sessions only")
     parser.add_argument("--own-stream", action="store_true", help="each session on a stream of its own")
     parser.add_argument("--fresh-capture-stream", action="store_true", help="each session captures on a new stream")
+    parser.add_argument("--dump-graphs", help="a folder for each session's graphs, as gzipped DOT")
     parser.add_argument("--profile", action="store_true", help="also each session's kernels by category")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -106,8 +147,12 @@ def main() -> None:
     max_cache_len, replays = harness.SESSION_SHAPE["max_cache_len"], harness.SESSION_SHAPE["replays"]
     rows, kept = [], []
     runs_kernel_norm = layer_kernels.runs_kernel_norm
+    if args.dump_graphs:
+        Path(args.dump_graphs).mkdir(parents=True, exist_ok=True)
+        torch.cuda.CUDAGraph = dumping_graph_class(torch.cuda.CUDAGraph, Path(args.dump_graphs))
     with torch.inference_mode():
         for index in range(args.sessions):
+            DUMPED.clear()
             # harness.session_steps, keeping the session to read where its buffers landed
             if args.alternate and index % 2 == 0:
                 layer_kernels.runs_kernel_norm = lambda norm: False  # the add and the norm as two launches
@@ -138,6 +183,8 @@ def main() -> None:
                 stream_context.__exit__(None, None, None)
                 layer_kernels.runs_kernel_norm = runs_kernel_norm
             rows.append({"session": index, "us_per_step": statistics.median(timings), **placement(session)})
+            if args.dump_graphs:
+                rows[-1]["graphs"] = [graph_summary(path, index) for path in DUMPED]
             if args.profile:
                 profile = decode_step_kernels.profile_session(session, 10)
                 rows[-1]["span_us_median"] = profile["span_us_median"]
