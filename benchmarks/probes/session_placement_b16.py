@@ -75,6 +75,9 @@ def dumping_graph_class(base: type, folder: Path) -> type:
     """A ``torch.cuda.CUDAGraph`` that dumps itself as DOT once captured (into ``folder``, named by capture)."""
 
     class DumpingGraph(base):
+        def __new__(cls, *args, **kwargs):
+            return super().__new__(cls, keep_graph=True)  # instantiated at its first replay, its graph kept to dump
+
         def capture_begin(self, *args, **kwargs):
             self.enable_debug_mode()
             return super().capture_begin(*args, **kwargs)
@@ -83,6 +86,8 @@ def dumping_graph_class(base: type, folder: Path) -> type:
             super().capture_end()
             path = folder / f"graph_{len(list(folder.iterdir())):03d}.dot"
             self.debug_dump(str(path))
+            if not path.exists():
+                raise RuntimeError(f"CUDAGraph.debug_dump wrote no {path}")
             DUMPED.append(path)
 
     return DumpingGraph
