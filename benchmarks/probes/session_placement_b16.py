@@ -76,7 +76,7 @@ def dumping_graph_class(base: type, folder: Path) -> type:
 
     class DumpingGraph(base):
         def __new__(cls, *args, **kwargs):
-            return super().__new__(cls, keep_graph=True)  # instantiated at its first replay, its graph kept to dump
+            return super().__new__(cls, keep_graph=True)  # its graph kept to dump, then instantiated
 
         def capture_begin(self, *args, **kwargs):
             self.enable_debug_mode()
@@ -89,6 +89,7 @@ def dumping_graph_class(base: type, folder: Path) -> type:
             if not path.exists():
                 raise RuntimeError(f"CUDAGraph.debug_dump wrote no {path}")
             DUMPED.append(path)
+            self.instantiate()
 
     return DumpingGraph
 
