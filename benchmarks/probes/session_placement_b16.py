@@ -79,6 +79,9 @@ def dumping_graph_class(base: type, folder: Path) -> type:
         def __new__(cls, *args, **kwargs):
             return super().__new__(cls, keep_graph=True)  # its graph kept to dump, then instantiated
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(keep_graph=True)
+
         def capture_end(self):
             super().capture_end()
             path = folder / f"graph_{len(list(folder.iterdir())):03d}.dot"
