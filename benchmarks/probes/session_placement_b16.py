@@ -23,6 +23,8 @@ bytes. Options, one change each:
   of the process on one stream it creates once);
 - ``--dump-graphs DIR``: each session's captured graphs written there as DOT (CUDA's verbose dump, gzipped), and
   their nodes and edges counted by kind in the row;
+- ``--upload``: with ``--dump-graphs``, each graph is uploaded (``cudaGraphUpload``, on the current stream, then a
+  sync) once instantiated, before its first replay;
 - ``--profile``: each one's replayed steps are also profiled (``decode_step_kernels.profile_session``), advance by
   kernel category.
 
@@ -72,8 +74,9 @@ def placement(session: DecodeSession) -> dict:
 DUMPED: list[Path] = []  # the graphs the current session captured, as dumped
 
 
-def dumping_graph_class(base: type, folder: Path) -> type:
-    """A ``torch.cuda.CUDAGraph`` that dumps itself as DOT once captured (into ``folder``, named by capture)."""
+def dumping_graph_class(base: type, folder: Path, upload: bool) -> type:
+    """A ``torch.cuda.CUDAGraph`` that dumps itself as DOT once captured (into ``folder``, named by capture), then
+    instantiates itself, and with ``upload`` uploads itself to the current stream."""
 
     class DumpingGraph(base):
         def __new__(cls, *args, **kwargs):
@@ -92,6 +95,12 @@ def dumping_graph_class(base: type, folder: Path) -> type:
                 raise RuntimeError(f"cudaGraphDebugDotPrint wrote no {path}")
             DUMPED.append(path)
             self.instantiate()
+            if upload:
+                stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+                error = cudart().cudaGraphUpload(ctypes.c_void_p(self.raw_cuda_graph_exec()), stream)
+                if error:
+                    raise RuntimeError(f"cudaGraphUpload returned {error}")
+                torch.cuda.synchronize()
 
     return DumpingGraph
 
@@ -153,6 +162,7 @@ def main() -> None:
     parser.add_argument("--own-stream", action="store_true", help="each session on a stream of its own")
     parser.add_argument("--fresh-capture-stream", action="store_true", help="each session captures on a new stream")
     parser.add_argument("--dump-graphs", help="a folder for each session's graphs, as gzipped DOT")
+    parser.add_argument("--upload", action="store_true", help="with --dump-graphs: upload each graph before replays")
     parser.add_argument("--profile", action="store_true", help="also each session's kernels by category")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -165,7 +175,7 @@ def main() -> None:
     runs_kernel_norm = layer_kernels.runs_kernel_norm
     if args.dump_graphs:
         Path(args.dump_graphs).mkdir(parents=True, exist_ok=True)
-        torch.cuda.CUDAGraph = dumping_graph_class(torch.cuda.CUDAGraph, Path(args.dump_graphs))
+        torch.cuda.CUDAGraph = dumping_graph_class(torch.cuda.CUDAGraph, Path(args.dump_graphs), args.upload)
     with torch.inference_mode():
         for index in range(args.sessions):
             DUMPED.clear()
