@@ -23,7 +23,7 @@ bytes. Options, one change each:
   of the process on one stream it creates once);
 - ``--dump-graphs DIR``: each session's captured graphs written there as DOT (CUDA's verbose dump, gzipped), and
   their nodes and edges counted by kind in the row;
-- ``--upload``: with ``--dump-graphs``, each graph is uploaded (``cudaGraphUpload``, on the current stream, then a
+- ``--upload``: with ``--dump-graphs``, each graph is uploaded (``cudaGraphUpload``, to the default stream, then a
   sync) once instantiated, before its first replay;
 - ``--profile``: each one's replayed steps are also profiled (``decode_step_kernels.profile_session``), advance by
   kernel category.
@@ -76,7 +76,7 @@ DUMPED: list[Path] = []  # the graphs the current session captured, as dumped
 
 def dumping_graph_class(base: type, folder: Path, upload: bool) -> type:
     """A ``torch.cuda.CUDAGraph`` that dumps itself as DOT once captured (into ``folder``, named by capture), then
-    instantiates itself, and with ``upload`` uploads itself to the current stream."""
+    instantiates itself, and with ``upload`` uploads itself to the default stream."""
 
     class DumpingGraph(base):
         def __new__(cls, *args, **kwargs):
@@ -96,7 +96,7 @@ def dumping_graph_class(base: type, folder: Path, upload: bool) -> type:
             DUMPED.append(path)
             self.instantiate()
             if upload:
-                stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+                stream = ctypes.c_void_p(torch.cuda.default_stream().cuda_stream)  # where it replays
                 error = cudart().cudaGraphUpload(ctypes.c_void_p(self.raw_cuda_graph_exec()), stream)
                 if error:
                     raise RuntimeError(f"cudaGraphUpload returned {error}")
