@@ -19,6 +19,7 @@ bytes. Options, one change each:
 - ``--copy-sessions N``: ``--clone`` and ``--copy-into`` apply to the first N sessions only (whether the slow state
   stays once the copies stop);
 - ``--own-stream``: each one runs (warm-up, capture, timing) on a stream of its own instead of the default stream;
+- ``--stream-priority P``: with ``--own-stream``, the streams get priority P (-1 is high on the H100, 0 the default);
 - ``--fresh-capture-stream``: each one captures on a new stream (``torch.cuda.graph`` otherwise captures every graph
   of the process on one stream it creates once);
 - ``--dump-graphs DIR``: each session's captured graphs written there as DOT (CUDA's verbose dump, gzipped), and
@@ -160,6 +161,7 @@ def main() -> None:
     parser.add_argument("--copy-into", action="store_true", help="copy each warm-up token into a preallocated buffer")
     parser.add_argument("--copy-sessions", type=int, default=None, help="copies in the first N sessions only")
     parser.add_argument("--own-stream", action="store_true", help="each session on a stream of its own")
+    parser.add_argument("--stream-priority", type=int, default=0, help="with --own-stream: the streams' priority")
     parser.add_argument("--fresh-capture-stream", action="store_true", help="each session captures on a new stream")
     parser.add_argument("--dump-graphs", help="a folder for each session's graphs, as gzipped DOT")
     parser.add_argument("--upload", action="store_true", help="with --dump-graphs: upload each graph before replays")
@@ -184,7 +186,9 @@ def main() -> None:
                 layer_kernels.runs_kernel_norm = lambda norm: False  # the add and the norm as two launches
             if args.fresh_capture_stream:
                 torch.cuda.graph.default_capture_stream = None  # the next capture creates a new one
-            stream = torch.cuda.Stream() if args.own_stream else torch.cuda.current_stream()
+            stream = (
+                torch.cuda.Stream(priority=args.stream_priority) if args.own_stream else torch.cuda.current_stream()
+            )
             stream.wait_stream(torch.cuda.current_stream())
             try:
                 stream_context = torch.cuda.stream(stream)
