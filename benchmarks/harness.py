@@ -408,8 +408,10 @@ def session_steps(model, input_ids: torch.Tensor, **options) -> dict:
     row 0's tokens}``, a run for :func:`alternating_step_rounds`.
 
     On the H100 at B=16, sessions timed this way from the fourth of a process on have stepped about 70 µs slower
-    than the first three, every kernel a little slower, and only where the warm-up tokens are cloned as here
-    (NOTES.md, entry 63; not explained). Compare variants within rounds that ran in the same state."""
+    than the first three: each kernel lasts as long, and the gaps between them are 0.35 µs longer. It happens only
+    where the warm-up tokens are copied, as they are here; a session on a stream of its own does it from the
+    second session on (NOTES.md, entries 63 and 64; not explained). Compare variants within rounds that ran in the
+    same state."""
     from flashcore.integrations.decode_session import DecodeSession
 
     max_cache_len, replays = SESSION_SHAPE["max_cache_len"], SESSION_SHAPE["replays"]
