@@ -407,19 +407,20 @@ def session_steps(model, input_ids: torch.Tensor, **options) -> dict:
     by default: the context grows by 500 tokens over them). Returns ``{"us_per_step": the median timing, "tokens":
     row 0's tokens}``, a run for :func:`alternating_step_rounds`.
 
-    On the H100 at B=16, sessions timed this way from the fourth of a process on have stepped about 70 µs slower
-    than the first three: each kernel lasts as long, and the gaps between them are 0.35 µs longer. It happens only
-    where the warm-up tokens are copied, as they are here; a session on a stream of its own does it from the
-    second session on (NOTES.md, entries 63 and 64; not explained). Compare variants within rounds that ran in the
-    same state."""
+    The tokens are read once, from the session's text, after the warm-up steps. Until f8e1d99 each step's token
+    was cloned as it came, and on the H100 at B=16 sessions timed that way stepped about 70 µs slower from the fourth
+    of a process on: each kernel as long, the gaps between them 0.35 µs longer. Without those copies every session
+    stepped fast (NOTES.md, entries 63 and 64; not explained)."""
     from flashcore.integrations.decode_session import DecodeSession
 
     max_cache_len, replays = SESSION_SHAPE["max_cache_len"], SESSION_SHAPE["replays"]
     session = DecodeSession(model, max_cache_len=max_cache_len, batch_size=input_ids.shape[0], **options)
-    tokens = [session.prefill(input_ids).clone()]
-    tokens += [session.decode_step().clone() for _ in range(31)]
+    session.prefill(input_ids)
+    for _ in range(31):
+        session.decode_step()
+    tokens = session.text()[0][-32:].tolist()  # row 0's: the prefill's token and the 31 steps'
     timings = [1e3 * ms for ms in ms_per_call_repeated(session.decode_step, replays, 5)]
-    return {"us_per_step": statistics.median(timings), "tokens": torch.stack(tokens, 1)[0].tolist()}
+    return {"us_per_step": statistics.median(timings), "tokens": tokens}
 
 
 def session_probe_main(

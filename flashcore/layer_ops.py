@@ -1,7 +1,8 @@
 """The decoder layer's ops around attention, on flashcore's Triton kernels: RMSNorm (alone, or with the residual add
-before it), rotary embedding, SiLU-and-mul, and the one-row GEMV of a batch-1 decode step's projections (with the
+before it), rotary embedding, SiLU-and-mul, the one-row GEMV of a batch-1 decode step's projections (with the
 RMSNorm before them, the rotary embedding or the residual add after them, and for the down projection the
-SiLU-and-mul folded in).
+SiLU-and-mul folded in), and the few-row GEMM of a decode step of up to 16 rows (the down projection, with the
+SiLU-and-mul and the residual add folded in, and the LM head).
 
 Why flashcore has its own: a model step runs eagerly, replayed from a CUDA graph, or compiled. Eager and replayed
 PyTorch ops give the same bits, but inductor fuses HF's RMSNorm, RoPE and SwiGLU code without eager's intermediate
@@ -9,7 +10,8 @@ bf16 roundings and with its own summation order, so a compiled bf16 model picks 
 (``benchmarks/NOTES.md``, entry 8). These ops run one Triton kernel each on every path (inductor sees an opaque
 ``torch.library`` op), so a model that uses them computes the same bits eagerly, replayed and compiled. They round
 where HF's eager code rounds (``flashcore/kernels/triton/layer_kernels.py``). The GEMV is there for speed: it starts
-loading its weight while the kernel before it still runs (``flashcore/kernels/triton/gemv.py``).
+loading its weight while the kernel before it still runs (``flashcore/kernels/triton/gemv.py``), and so does the
+few-row GEMM, which takes two launches per layer into it (``flashcore/kernels/triton/rows_gemm.py``).
 ``apply_flashcore_to_llama(model, layer_kernels=True)`` puts them in a patched model.
 
 Like :func:`flashcore.attention_with_kv_cache` they run on CUDA tensors, or on CPU tensors under
@@ -24,10 +26,14 @@ import torch
 from flashcore.backends import SUPPORTED_DTYPES, on_device_of, triton_interpreter_enabled
 from flashcore.kernels.triton import gemv as gemv_kernels
 from flashcore.kernels.triton import layer_kernels
+from flashcore.kernels.triton import rows_gemm as rows_gemm_kernels
 
 __all__ = [
-    "add_rms_norm", "apply_rotary_embedding", "gemv", "gemv_can_rotate", "rms_norm", "silu_and_mul", "silu_and_mul_gemv"
+    "add_rms_norm", "apply_rotary_embedding", "gemv", "gemv_can_rotate", "rms_norm", "rows_gemm", "silu_and_mul",
+    "silu_and_mul_gemv", "ROWS_GEMM_MAX_ROWS",
 ]  # fmt: skip
+
+ROWS_GEMM_MAX_ROWS = rows_gemm_kernels.MAX_ROWS
 
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -246,6 +252,56 @@ def silu_and_mul_gemv(
     return out.view(*gate.shape[:-1], weight.shape[0])
 
 
+def rows_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    up: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for at most ``ROWS_GEMM_MAX_ROWS`` (16) rows of ``x``, on tensor cores: a decode
+    step's projection at a batch of a few rows. With ``up``, of ``silu_and_mul(x, up)``: a SwiGLU MLP's down
+    projection, without its input written and read back.
+
+    Args:
+        x: ``[..., K]`` of 1 to 16 rows (the leading dims' product), unit stride along K, rows at one stride (a
+            slice of a fused gate/up projection's output is); float16, bfloat16 or float32.
+        weight: ``[N, K]``, unit stride along K; same dtype and device.
+        bias: ``[N]`` or None, same dtype and device.
+        up: ``x``'s shape, dtype and device, or None. With it the input is ``silu_and_mul(x, up)``, computed with
+            :func:`silu_and_mul`'s roundings, to its bits.
+        residual: ``[..., N]`` of the output's shape, or None. Added to the rounded projection and rounded again:
+            HF's ``residual + down_proj(x)``.
+
+    Returns:
+        A new contiguous ``[..., N]`` tensor of ``x``'s dtype: the products summed in fp32 (in slices of K, the
+        slices added in K order), plus the bias, rounded once (then plus the residual, rounded).
+    """
+    _check_runs(x, "x")
+    if x.dim() == 0 or not 0 < x.numel() // max(x.shape[-1], 1) <= ROWS_GEMM_MAX_ROWS:
+        raise ValueError(
+            f"rows_gemm takes 1 to {ROWS_GEMM_MAX_ROWS} rows: x must be [..., K] whose leading dims multiply to at "
+            f"most {ROWS_GEMM_MAX_ROWS}, got shape {tuple(x.shape)}; use F.linear for more rows"
+        )
+    rows, k = x.numel() // x.shape[-1], x.shape[-1]
+    if up is not None:
+        if not isinstance(up, torch.Tensor) or up.shape != x.shape:
+            shape = tuple(up.shape) if isinstance(up, torch.Tensor) else type(up).__name__
+            raise ValueError(f"up must have x's shape {tuple(x.shape)} or be None, got {shape}")
+        _check_like(x, "x", up=up)
+    bias, residual = _check_projection(x, "x", weight, bias, residual)
+    x_rows = x.reshape(rows, k)
+    up_rows = up.reshape(rows, k) if up is not None else None
+    residual_rows = residual.view(rows, weight.shape[0]) if residual is not None else None
+    if torch.compiler.is_compiling():
+        out = x_rows.new_empty(rows, weight.shape[0])
+        torch.ops.flashcore.rows_gemm(x_rows, up_rows, weight, bias, residual_rows, out)
+    else:
+        out = rows_gemm_kernels.rows_gemm_triton(x_rows, weight, bias, up=up_rows, residual=residual_rows)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def _check_rotary(
     x: torch.Tensor, n: int, cos: torch.Tensor | None, sin: torch.Tensor | None, rotated: int | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
@@ -285,8 +341,8 @@ def _check_one_row(x: torch.Tensor, name: str) -> None:
 def _check_projection(
     x: torch.Tensor, name: str, weight: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Checks the GEMV's weight, bias and residual against its one-row input; returns the bias and the residual as
-    the kernel takes them (the residual as one contiguous row)."""
+    """Checks a projection's weight, bias and residual against its input; returns the bias and the residual as the
+    kernels take them (the residual contiguous, flattened)."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
         shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
         raise ValueError(f"weight must be [N, K] with K = {name}.shape[-1] = {x.shape[-1]}, got {shape}")
@@ -438,3 +494,16 @@ def _silu_and_mul_gemv_op(
 ) -> None:
     with on_device_of(gate):
         gemv_kernels.gemv_triton(gate, weight, bias, up=up, residual=residual, out=out)
+
+
+@torch.library.custom_op("flashcore::rows_gemm", mutates_args=("out",))
+def _rows_gemm_op(
+    x: torch.Tensor,
+    up: torch.Tensor | None,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+) -> None:
+    with on_device_of(x):
+        rows_gemm_kernels.rows_gemm_triton(x, weight, bias, up=up, residual=residual, out=out)

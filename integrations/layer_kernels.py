@@ -6,7 +6,7 @@ step does. Per layer, four launches replace about 28 small eager kernels (HF's c
 q or of k, 2 for SwiGLU), which is what a graph-replayed step without inductor spent most of its time on at batch 1
 (``benchmarks/NOTES.md``, entries 10 and 32). At one token per forward (a batch-1 decode step) the projections run
 on flashcore's one-row GEMV too, which starts loading its weight while the kernel before it runs (entry 54), and
-so does the LM head (:class:`OneRowGemvForward`).
+so does the LM head (:class:`HeadForward`), which at 2 to 16 rows runs on the few-row GEMM.
 
 Every RMSNorm of the decoder (each layer's two, and the final one) gets a per-instance forward that calls
 :func:`flashcore.layer_ops.rms_norm` (``LlamaRMSNorm``'s only hook, ``use_kernel_forward_from_hub``, works only with
@@ -68,7 +68,7 @@ def enable(model: torch.nn.Module) -> None:
             module._uses_layer_kernels = True
     head = _head(model)
     if head is not None and type(head) is torch.nn.Linear and "forward" not in head.__dict__:
-        head.forward = OneRowGemvForward(head)
+        head.forward = HeadForward(head)
 
 
 def disable(model: torch.nn.Module) -> None:
@@ -82,7 +82,7 @@ def disable(model: torch.nn.Module) -> None:
         for module in (layer, layer.self_attn, layer.mlp):
             module.__dict__.pop("_uses_layer_kernels", None)
     head = _head(model)
-    if head is not None and isinstance(head.__dict__.get("forward"), OneRowGemvForward):
+    if head is not None and isinstance(head.__dict__.get("forward"), HeadForward):
         del head.forward
 
 
@@ -106,10 +106,11 @@ class KernelNormForward:
         return layer_ops.rms_norm(hidden_states, self.norm.weight, self.norm.variance_epsilon)
 
 
-class OneRowGemvForward:
+class HeadForward:
     """The LM head's forward, set by :func:`enable` where the head is a plain ``nn.Linear`` whose forward nothing
-    else replaced: for one row (a batch-1 step's last token) flashcore's GEMV, which loads its weight while the
-    final norm runs, else ``F.linear`` as ``nn.Linear`` computes it."""
+    else replaced: for one row (a batch-1 step's last token) flashcore's GEMV, for 2 to 16 (a decode step of a few
+    rows) its few-row GEMM, both loading their weight while the final norm runs; else ``F.linear`` as ``nn.Linear``
+    computes it."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         self.linear = linear
@@ -117,8 +118,11 @@ class OneRowGemvForward:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.linear
         plain = type(linear.weight) is torch.nn.Parameter and not (linear._forward_hooks or linear._forward_pre_hooks)
-        if plain and x.numel() == x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if plain and rows == 1:
             return layer_ops.gemv(x, linear.weight, linear.bias)
+        if plain and 1 < rows <= layer_ops.ROWS_GEMM_MAX_ROWS:
+            return layer_ops.rows_gemm(x, linear.weight, linear.bias)
         return F.linear(x, linear.weight, linear.bias)
 
 

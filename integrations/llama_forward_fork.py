@@ -16,7 +16,9 @@ forwards, and transformers has no extension point there:
   module of its own, and, for an input of one token, runs the projections on flashcore's one-row GEMV
   (:func:`flashcore.layer_ops.gemv`) instead of their modules. That GEMV also takes the decoder layer's RMSNorms,
   the RoPE and the residual adds, and the down projection's GEMV the SiLU-and-mul
-  (:func:`flashcore.layer_ops.silu_and_mul_gemv`): four launches per layer where there were ten. So with the layer
+  (:func:`flashcore.layer_ops.silu_and_mul_gemv`): four launches per layer where there were ten. At 2 to 16 rows
+  the down projection runs on flashcore's few-row GEMM (:func:`flashcore.layer_ops.rows_gemm`), which takes the
+  SiLU-and-mul and the residual add after it. So with the layer
   kernels the decoder layer's forward hands each sublayer its norm and its residual. The attention and the MLP
   forwards apply the norm first (or inside the GEMV) and return the residual added (``residual + o_proj(...)``,
   ``residual + down_proj(...)``), what stock's layer computes around them. At more than one token, where the
@@ -190,12 +192,15 @@ def _project_residual(
 ) -> torch.Tensor:
     """``residual + module.<name>(x)`` (the projection alone without a residual); with ``up``, of
     ``silu_and_mul(x, up)``, the down projection. Where :func:`_project` would run the GEMV, the residual and the
-    SiLU-and-mul run inside it."""
+    SiLU-and-mul run inside it; so they do in the down projection's few-row GEMM, at 2 to 16 rows with the layer
+    kernels (:func:`flashcore.layer_ops.rows_gemm`)."""
     linear = getattr(module, name)
     if _runs_gemv(module, x) and _is_plain_linear(linear):
         if up is None:
             return layer_ops.gemv(x, linear.weight, linear.bias, residual=residual)
         return layer_ops.silu_and_mul_gemv(x, up, linear.weight, linear.bias, residual=residual)
+    if up is not None and _runs_rows_gemm(module, x) and _is_plain_linear(linear):
+        return layer_ops.rows_gemm(x, linear.weight, linear.bias, up=up, residual=residual)
     out = linear(x if up is None else layer_ops.silu_and_mul(x, up))
     return out if residual is None else residual + out
 
@@ -203,6 +208,13 @@ def _project_residual(
 def _runs_gemv(module: torch.nn.Module, x: torch.Tensor) -> bool:
     """The layer kernels are on and ``x`` is a single token: a batch-1 decode step."""
     return bool(module.__dict__.get("_uses_layer_kernels")) and x.numel() == x.shape[-1]
+
+
+def _runs_rows_gemm(module: torch.nn.Module, x: torch.Tensor) -> bool:
+    """The layer kernels are on and ``x`` holds 2 to ``layer_ops.ROWS_GEMM_MAX_ROWS`` rows: a decode step of a few
+    rows, or a short prefill."""
+    rows = x.numel() // x.shape[-1]
+    return bool(module.__dict__.get("_uses_layer_kernels")) and 1 < rows <= layer_ops.ROWS_GEMM_MAX_ROWS
 
 
 def _is_plain_linear(linear: torch.nn.Module) -> bool:

@@ -16,6 +16,7 @@ from hf_models import PAD_ID, bf16_llama, random_prompts, seed_of, tiny_llama, t
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from flashcore import layer_ops
+from flashcore.integrations import layer_kernels as integration_layer_kernels
 from flashcore.integrations.decode_session import DecodeSession
 from flashcore.integrations.llama import (
     CACHE_ARGUMENT_NAME,
@@ -25,6 +26,7 @@ from flashcore.integrations.llama import (
 )
 from flashcore.kernels.triton import gemv as gemv_kernels
 from flashcore.kernels.triton import layer_kernels
+from flashcore.kernels.triton import rows_gemm as rows_gemm_kernels
 
 
 def ulps(dtype: torch.dtype, count: float) -> dict:
@@ -335,6 +337,96 @@ def test_gemv_errors_name_the_argument_and_the_fix(device, generator):
         layer_ops.gemv(x, weight.t().contiguous().t())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "n, k, rows", [(37, 100, 2), (300, 2500, 16), (5, 4500, 7), (70, 256, 1)]
+)  # K 2500 and 4500: K cut into slices of tiles (split K), the last tile ragged
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_rows_gemm_matches_fp64_linear(n, k, rows, with_bias, dtype, device, generator):
+    """Against ``x @ weight.T + bias`` in fp64, each row. The kernel sums the products in fp32 (in K slices, added in
+    K order) and rounds once, so the bound is the GEMV's: half an ulp plus fp32's summation error over K terms. The
+    rows are a slice of a wider tensor (a fused projection's output) and the weight a row slice of a wider one."""
+    wide_x = randn((rows, 1, k + 9), generator=generator, dtype=dtype, device=device)
+    x = wide_x[..., 4 : 4 + k]
+    wide = randn((n + 7, k), generator=generator, dtype=dtype, device=device) / k**0.5
+    weight = wide[3 : 3 + n]
+    bias = randn((n,), generator=generator, dtype=dtype, device=device) if with_bias else None
+
+    out = layer_ops.rows_gemm(x, weight, bias)
+
+    assert out.shape == (rows, 1, n) and out.dtype == dtype and out.is_contiguous()
+    x64, weight64 = x.reshape(rows, k).double(), weight.double()
+    expected = x64 @ weight64.T + (bias.double() if with_bias else 0)
+    bound = torch.finfo(dtype).eps / 2 * expected.abs() + k * torch.finfo(torch.float32).eps * (
+        x64.abs() @ weight64.abs().T
+    )
+    error = (out.reshape(rows, n).double() - expected).abs()
+    assert bool((error <= bound).all()), f"worst excess {float((error - bound).max())}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k, rows", [(37, 100, 3), (300, 2500, 16)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_rows_gemm_folds_the_swiglu_and_the_residual_add(n, k, rows, with_bias, dtype, device, generator):
+    """The SwiGLU input and the residual inside the few-row GEMM give the bits of the separate ops they replace:
+    ``silu_and_mul``, then the GEMM; the GEMM, then PyTorch's ``residual + out`` (an fp32 add rounded once). The
+    gate and up are the halves of one fused projection's output, as a decode step's are."""
+    fused = randn((rows, 1, 2 * k), generator=generator, dtype=dtype, device=device) * 4
+    gate, up = fused.split(k, dim=-1)
+    weight = randn((n, k), generator=generator, dtype=dtype, device=device) / k**0.5
+    bias = randn((n,), generator=generator, dtype=dtype, device=device) if with_bias else None
+    residual = randn((rows, 1, n), generator=generator, dtype=dtype, device=device)
+
+    down = layer_ops.rows_gemm(gate, weight, bias, up=up)
+    down_added = layer_ops.rows_gemm(gate, weight, bias, up=up, residual=residual)
+
+    separate = layer_ops.rows_gemm(layer_ops.silu_and_mul(gate, up), weight, bias)
+    assert torch.equal(down, separate) and torch.equal(down_added, residual + separate)
+    assert down_added.shape == (rows, 1, n) and down_added.dtype == dtype
+
+
+def test_rows_gemm_op_writes_its_out_and_compiles_to_eager_bits(device, generator):
+    """Under ``torch.compile`` the few-row GEMM runs as the custom op ``flashcore::rows_gemm``, which writes into an
+    ``out`` the caller allocates, as the GEMVs do; opcheck checks that claim, the fake and functionalization, and a
+    fullgraph compile of two MLPs' down projections, each with its residual, gives the eager bits."""
+    rows, k, n = 5, 96, 40
+    fused = randn((rows, 2 * k), generator=generator, dtype=torch.float32, device=device)
+    gate, up = fused.split(k, dim=-1)
+    w_down = randn((n, k), generator=generator, dtype=torch.float32, device=device) / k**0.5
+    w_up = randn((2 * k, n), generator=generator, dtype=torch.float32, device=device) / n**0.5
+    bias = randn((n,), generator=generator, dtype=torch.float32, device=device)
+    residual = randn((rows, n), generator=generator, dtype=torch.float32, device=device)
+    out = torch.empty(rows, n, device=device)
+    torch.library.opcheck(torch.ops.flashcore.rows_gemm.default, (gate, up, w_down, bias, residual, out))
+    torch.library.opcheck(torch.ops.flashcore.rows_gemm.default, (gate, None, w_down, None, None, out))
+
+    def two_mlps(hidden):
+        for _ in range(2):
+            gate, up = (hidden @ w_up.T).split(k, dim=-1)
+            hidden = layer_ops.rows_gemm(gate, w_down, bias, up=up, residual=hidden)
+        return hidden
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(two_mlps, fullgraph=True)(residual), two_mlps(residual))
+
+
+def test_rows_gemm_errors_name_the_argument_and_the_fix(device, generator):
+    x = randn((17, 64), generator=generator, dtype=torch.float32, device=device)
+    weight = randn((16, 64), generator=generator, dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match=r"rows_gemm takes 1 to 16 rows: .*got shape \(17, 64\); use F.linear"):
+        layer_ops.rows_gemm(x, weight)
+    with pytest.raises(ValueError, match=r"up must have x's shape \(4, 64\)"):
+        layer_ops.rows_gemm(x[:4], weight, up=x[:3])
+    with pytest.raises(TypeError, match="up dtype torch.float16 must match x"):
+        layer_ops.rows_gemm(x[:4], weight, up=x[:4].half())
+    with pytest.raises(ValueError, match=r"residual must have the output's shape \(4, 16\)"):
+        layer_ops.rows_gemm(x[:4], weight, residual=x[:4])
+    with pytest.raises(ValueError, match=r"weight must be \[N, K\] with K = x.shape\[-1\] = 64"):
+        layer_ops.rows_gemm(x[:4], weight[:, :32])
+    with pytest.raises(ValueError, match="x must have unit stride"):
+        layer_ops.rows_gemm(x[:4, ::2], weight[:, :32])
+
+
 def test_errors_name_the_argument_and_the_fix(device, generator, monkeypatch):
     x = randn((2, 64), generator=generator, dtype=torch.float32, device=device)
     with pytest.raises(ValueError, match=r"weight must be \[hidden\] = \[64\]"):
@@ -375,6 +467,7 @@ def layer_kernel_launches(monkeypatch):
         (layer_kernels, "silu_and_mul_triton"),
         (layer_kernels, "rotary_embedding_triton"),
         (gemv_kernels, "gemv_triton"),
+        (rows_gemm_kernels, "rows_gemm_triton"),
     ):
         run = getattr(module, name)
 
@@ -391,7 +484,9 @@ def layer_kernel_launches(monkeypatch):
 def test_patched_model_matches_stock_and_runs_the_kernels(
     fuse_first, device, generator, request, layer_kernel_launches
 ):
-    """fp32, left-padded batch: stock's greedy tokens; every norm, RoPE and SwiGLU of every step on the kernels."""
+    """fp32, left-padded batch: stock's greedy tokens; every norm, RoPE and SwiGLU of every step on the kernels. The
+    decode steps' three rows run the down projection (with the SiLU-and-mul and the residual add) and the LM head
+    on the few-row GEMM; the prefill's 21 rows keep the model's GEMMs."""
     model = tiny_llama("gqa", seed_of(request), device)
     input_ids, attention_mask = random_prompts([7, 3, 5], generator, device)
     # Eager steps: a compiled, graph-replayed step (generate's default on CUDA) runs no Python to count.
@@ -413,11 +508,15 @@ def test_patched_model_matches_stock_and_runs_the_kernels(
     real = attention_mask.bool()
     torch.testing.assert_close(logits[real], stock_logits[real], rtol=1e-4, atol=1e-4)
     layers, forwards = model.config.num_hidden_layers, 5  # a prefill and 4 decode steps
+    runs_head_forward = isinstance(model.lm_head.__dict__.get("forward"), integration_layer_kernels.HeadForward)
     assert layer_kernel_launches == {
         "add_rms_norm_triton": layers * forwards,  # the add after attention and the norm before the MLP
         "rms_norm_triton": (layers + 1) * forwards,
         "rotary_embedding_triton": layers * forwards,
-        "silu_and_mul_triton": layers * forwards,
+        "silu_and_mul_triton": layers,  # the prefill's
+        # each decode step's down projections, and every forward's LM head where it is flashcore's (on the CPU
+        # oneDNN's linears take the head)
+        "rows_gemm_triton": layers * (forwards - 1) + (forwards if runs_head_forward else 0),
     }  # no GEMV: every forward has three rows
 
 
@@ -427,7 +526,7 @@ def test_patched_model_matches_stock_and_runs_the_kernels(
 def test_batch_1_decode_runs_the_gemv(fuse_first, with_bias, device, generator, request, layer_kernel_launches):
     """At one row per step every projection of a decode step runs on the GEMV, with the norms, the RoPE, the residual
     adds and the SiLU-and-mul inside (stock's tokens and logits); the prefill, with more rows, keeps the model's
-    GEMMs."""
+    GEMMs but for the down projection, on the few-row GEMM at its 6 rows."""
     seed = seed_of(request)
     model = tiny_same_attention_model("qwen2", seed, device) if with_bias else tiny_llama("gqa", seed, device)
     input_ids, attention_mask = random_prompts([6], generator, device)
@@ -450,15 +549,15 @@ def test_batch_1_decode_runs_the_gemv(fuse_first, with_bias, device, generator, 
     projections = 4 if fuse_first else 7  # q/k/v, o, gate/up, down; or each of the seven
     decode_steps = 3  # the 4 new tokens: the prefill's, then 3 one-row decode steps
     layers = model.config.num_hidden_layers
-    # A decode step's RMSNorms (but the final one), RoPE and SiLU-and-mul run inside the GEMVs; the prefill's on
-    # their own.
+    # A decode step's RMSNorms (but the final one), RoPE and SiLU-and-mul run inside the GEMVs; the prefill's norms
+    # and RoPE on their own, its 6 rows' SiLU-and-mul and residual add inside the few-row GEMM of the down projection.
     assert model.config.head_dim % 8 == 0  # what the GEMV's RoPE takes
     assert launches == {
         "gemv_triton": decode_steps * layers * projections + 1 + decode_steps,  # and the LM head's, of the last token
         "add_rms_norm_triton": layers,
         "rms_norm_triton": layers + 1 + decode_steps,
         "rotary_embedding_triton": layers,
-        "silu_and_mul_triton": layers,
+        "rows_gemm_triton": layers,
     }
     torch.testing.assert_close(logits, stock_logits, rtol=1e-4, atol=1e-4)
 
