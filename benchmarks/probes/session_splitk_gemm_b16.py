@@ -26,6 +26,11 @@ Before the first variant that runs the kernel, the probe checks it in bf16 on th
 beside cuBLAS's error (``report.bf16_check``, ``session_rows_gemm_b16.check_bf16``).
 
     python benchmarks/probes/session_splitk_gemm_b16.py --out session_splitk_gemm_b16.json --max-cache-len 768
+
+Since d7f1654 the library runs this kernel, with the SiLU-and-mul and the residual add folded in, as
+``flashcore/kernels/triton/rows_gemm.py`` (entry 65). The probe keeps its own copy, which takes the tile variants
+above (stages, programs, shapes left on cuBLAS) that the library's fixes, so that it still measures what entry 61
+describes.
 """
 
 from __future__ import annotations
