@@ -407,7 +407,7 @@ def session_steps(model, input_ids: torch.Tensor, **options) -> dict:
     by default: the context grows by 500 tokens over them). Returns ``{"us_per_step": the median timing, "tokens":
     row 0's tokens}``, a run for :func:`alternating_step_rounds`.
 
-    The tokens are read once, from the session's text, after the warm-up steps. Until f8e1d99 each step's token
+    The tokens are read once, from the session's text, after the warm-up steps. Before d7f1654 each step's token
     was cloned as it came, and on the H100 at B=16 sessions timed that way stepped about 70 µs slower from the fourth
     of a process on: each kernel as long, the gaps between them 0.35 µs longer. Without those copies every session
     stepped fast (NOTES.md, entries 63 and 64; not explained)."""
