@@ -1,12 +1,12 @@
 """Issue 29: does a CUDA graph's chain of small kernels replay with longer gaps on one stream than on another?
 
-``probes/session_placement_b16.py`` found a B=16 session's replayed step about 70 µs slower (every kernel the same
-length, the gaps between them 0.35 µs longer) when the session runs on a stream of its own instead of the default
-stream, and on the default stream from the fourth session of a process on when its warm-up steps were each followed
-by a copy. This probe takes the model out: ``--kernels`` launches of one small Triton kernel (a 16 x 2048 bf16 add,
-each reading the last one's output), with or without programmatic dependent launch (PDL), captured as one graph,
-then timed replaying on the default stream and on a new stream, alternating, ``--rounds`` times; µs per replay (CUDA
-events around ``--replays`` back-to-back replays) and per kernel.
+``probes/session_placement_b16.py`` found a B=16 ``DecodeSession``'s replayed step about 70 µs slower (every kernel
+the same length, the gaps between them 0.35 µs longer) when the ``DecodeSession`` runs on a stream of its own instead
+of the default stream, and on the default stream from the fourth ``DecodeSession`` of a process on when its warm-up
+steps were each followed by a copy. This probe takes the model out: ``--kernels`` launches of one small Triton
+kernel (a 16 x 2048 bf16 add, each reading the last one's output), with or without programmatic dependent launch
+(PDL), captured as one graph, then timed replaying on the default stream and on a new stream, alternating,
+``--rounds`` times; µs per replay (CUDA events around ``--replays`` back-to-back replays) and per kernel.
 
     python benchmarks/probes/graph_stream_gaps.py --out graph_stream_gaps.json
 """

@@ -27,6 +27,8 @@ agree with each other.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -150,13 +152,14 @@ def _rows_gemm_kernel(
 _launch_rows_gemm = CachedLauncher(_rows_gemm_kernel)
 
 
+@functools.cache
 def rows_gemm_config(n: int, k: int, device: torch.device) -> dict:
     """``block_n``, ``block_k``, ``split_k`` and ``num_warps`` for an ``[n, k]`` weight: 64 weight rows and 128 of K
     per tile at 4 warps, one pipeline stage, and the fewest K slices (a divisor of K's tile count) that give every
     SM a program. Entry 61's best variant on the Llama-3.2-1B shape (H100; ``probes/session_splitk_gemm_b16.py``):
     64 x 128 tiles at one stage were ahead of cuBLAS on the down projection and the LM head (2.24 and 2.99 against
     2.01 and 2.78 TB/s alone), two or three stages and 64 x 64 tiles slower, and a program per SM faster in the
-    step than two."""
+    step than two. Computed once per shape: an eager call's host time is its cost."""
     block_n, block_k = 64, 128
     blocks, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     splits = [s for s in range(1, steps + 1) if steps % s == 0]
