@@ -11,6 +11,9 @@ projections' 15.9 TFLOP take about 20 ms at 790 TFLOP/s (entry 65). This probe b
   and per category (``decode_step_kernels.category``) the kernels' count and summed duration, with the
   projections' TFLOP/s over their GEMMs' time; and the 15 kernels with the most summed time.
 
+``--rotary-heads N`` sets ``layer_kernels.ROTARY_HEADS_PER_PROGRAM`` (1: the RoPE's one-head programs of before
+entry 66).
+
     python benchmarks/probes/session_prefill_kernels_b16.py --out session_prefill_kernels_b16.json
 """
 
@@ -33,6 +36,7 @@ import harness  # noqa: E402
 from bench_generate import build_config, build_model  # noqa: E402
 
 from flashcore.integrations.decode_session import DecodeSession  # noqa: E402
+from flashcore.kernels.triton import layer_kernels  # noqa: E402
 
 
 def timed_prefill(session: DecodeSession, input_ids: torch.Tensor) -> float:
@@ -89,7 +93,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rotary-heads", type=int, default=None, help="the RoPE's heads per program, at most")
     args = parser.parse_args()
+    if args.rotary_heads is not None:
+        layer_kernels.ROTARY_HEADS_PER_PROGRAM = args.rotary_heads
     device = torch.device("cuda")
     model = build_model(build_config(is_tiny=False), device)
     generator = torch.Generator().manual_seed(0)

@@ -156,38 +156,49 @@ def _rotary_embedding_kernel(
     num_kv_heads,
     HALF: tl.constexpr,  # D / 2
     HALF_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # heads per program
     EXACT: tl.constexpr,  # see rotate_halves
     USE_PDL: tl.constexpr,
 ):
-    """One program per (batch, token, head); heads ``[0, H_q)`` are query heads, the next ``H_kv`` key heads."""
+    """One program per (batch, token) and ``BLOCK_H`` heads; heads ``[0, H_q)`` are query heads, the next ``H_kv``
+    key heads. One program per head was 327,680 one-warp programs for a 16 x 512-token prefill of 40 heads, which
+    took 395 µs a layer, bound by the programs' launches (NOTES.md, entry 66)."""
     batch = (tl.program_id(0) // num_tokens).to(tl.int64)
     token = (tl.program_id(0) % num_tokens).to(tl.int64)
-    head = tl.program_id(1)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs = tl.arange(0, HALF_PAD)
-    mask = offs < HALF
+    mask_half = offs < HALF
+    mask = (heads < num_q_heads + num_kv_heads)[:, None] & mask_half[None, :]
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
     angles = batch * stride_cos_b + token * stride_cos_s + offs
-    cos_lo = tl.load(cos_ptr + angles, mask=mask, other=0.0).to(tl.float32)
-    cos_hi = tl.load(cos_ptr + HALF + angles, mask=mask, other=0.0).to(tl.float32)
-    sin_lo = tl.load(sin_ptr + angles, mask=mask, other=0.0).to(tl.float32)
-    sin_hi = tl.load(sin_ptr + HALF + angles, mask=mask, other=0.0).to(tl.float32)
-    if head < num_q_heads:
-        x_ptr = q_ptr + batch * stride_q_b + head * stride_q_h + token * stride_q_s
-        out_ptr = q_out_ptr + ((batch * num_tokens + token) * num_q_heads + head) * (2 * HALF)
-    else:
-        kv_head = head - num_q_heads
-        x_ptr = k_ptr + batch * stride_k_b + kv_head * stride_k_h + token * stride_k_s
-        out_ptr = k_out_ptr + ((batch * num_tokens + token) * num_kv_heads + kv_head) * (2 * HALF)
-    lo = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    hi = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0)
+    cos_lo = tl.load(cos_ptr + angles, mask=mask_half, other=0.0).to(tl.float32)[None, :]
+    cos_hi = tl.load(cos_ptr + HALF + angles, mask=mask_half, other=0.0).to(tl.float32)[None, :]
+    sin_lo = tl.load(sin_ptr + angles, mask=mask_half, other=0.0).to(tl.float32)[None, :]
+    sin_hi = tl.load(sin_ptr + HALF + angles, mask=mask_half, other=0.0).to(tl.float32)[None, :]
+    is_query = heads < num_q_heads
+    q_heads = tl.minimum(heads, num_q_heads - 1)  # clamped so the pointers of the other kind stay in bounds
+    kv_heads = tl.maximum(heads - num_q_heads, 0)
+    x_rows = tl.where(
+        is_query,
+        q_ptr + batch * stride_q_b + q_heads * stride_q_h + token * stride_q_s,
+        k_ptr + batch * stride_k_b + kv_heads * stride_k_h + token * stride_k_s,
+    )
+    out_rows = tl.where(
+        is_query,
+        q_out_ptr + ((batch * num_tokens + token) * num_q_heads + q_heads) * (2 * HALF),
+        k_out_ptr + ((batch * num_tokens + token) * num_kv_heads + kv_heads) * (2 * HALF),
+    )
+    lo = tl.load(x_rows[:, None] + offs[None, :], mask=mask, other=0.0)
+    hi = tl.load(x_rows[:, None] + HALF + offs[None, :], mask=mask, other=0.0)
     out_lo, out_hi = rotate_halves(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, EXACT)
-    tl.store(out_ptr + offs, out_lo, mask=mask)
-    tl.store(out_ptr + HALF + offs, out_hi, mask=mask)
+    tl.store(out_rows[:, None] + offs[None, :], out_lo, mask=mask)
+    tl.store(out_rows[:, None] + HALF + offs[None, :], out_hi, mask=mask)
 
 
 _launch_rms_norm = CachedLauncher(_rms_norm_kernel)
+ROTARY_HEADS_PER_PROGRAM = 16  # at most; the probes set 1 for the one-head programs of before entry 66
 _launch_silu_and_mul = CachedLauncher(_silu_and_mul_kernel)
 _launch_rotary_embedding = CachedLauncher(_rotary_embedding_kernel)
 
@@ -252,10 +263,11 @@ def rotary_embedding_triton(
     num_kv_heads = key.shape[1]
     query_out = torch.empty((batch, num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
     key_out = torch.empty((batch, num_tokens, num_kv_heads, head_dim), dtype=key.dtype, device=key.device)
-    half = head_dim // 2
+    half, half_pad = head_dim // 2, triton.next_power_of_2(head_dim // 2)
+    block_h = min(ROTARY_HEADS_PER_PROGRAM, triton.next_power_of_2(num_q_heads + num_kv_heads))
     use_pdl = uses_programmatic_launch(query.device)
     _launch_rotary_embedding(
-        (batch * num_tokens, num_q_heads + num_kv_heads, 1),
+        (batch * num_tokens, triton.cdiv(num_q_heads + num_kv_heads, block_h), 1),
         (
             query, key, cos, sin, query_out, key_out,
             query.stride(0), query.stride(1), query.stride(2),
@@ -263,8 +275,8 @@ def rotary_embedding_triton(
             cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
             num_tokens, num_q_heads, num_kv_heads,
         ),
-        dict(HALF=half, HALF_PAD=triton.next_power_of_2(half), EXACT=query.is_cuda, USE_PDL=use_pdl),
-        num_warps=1 if head_dim <= 128 else 2,
+        dict(HALF=half, HALF_PAD=half_pad, BLOCK_H=block_h, EXACT=query.is_cuda, USE_PDL=use_pdl),
+        num_warps=max(1, min(4, block_h * half_pad // 256)),
         num_stages=1,
         launch_pdl=use_pdl,
     )  # fmt: skip
