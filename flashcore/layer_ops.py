@@ -124,8 +124,8 @@ def apply_rotary_embedding(
         sin: like ``cos``, with its strides.
 
     Returns:
-        ``(query, key)`` rotated: new tensors of the inputs' shapes, ``[B, H, S, D]`` views of ``[B, S, H, D]``
-        storage (the layout HF's projections give).
+        ``(query, key)`` rotated: new contiguous tensors of the inputs' shapes, the layout the attention kernels
+        read, so that a prefill's attention copies neither (NOTES.md, entry 67).
     """
     _check_runs(query, "query")
     for name, tensor in (("query", query), ("key", key)):
@@ -448,11 +448,7 @@ def _rotary_embedding_op(
 
 @_rotary_embedding_op.register_fake
 def _(query, key, cos, sin):
-    def rotated_like(x):  # [B, H, S, D] over [B, S, H, D] storage, as the kernel returns
-        batch, heads, tokens, dim = x.shape
-        return x.new_empty((batch, tokens, heads, dim)).transpose(1, 2)
-
-    return rotated_like(query), rotated_like(key)
+    return query.new_empty(query.shape), key.new_empty(key.shape)  # contiguous, as the kernel returns
 
 
 # The GEMVs write into an ``out`` their caller allocates, rather than return a new tensor, for inductor: it prints

@@ -95,10 +95,11 @@ def flashcore_attention(
     num_new = query.shape[2]
     query_lens = order = None
     if attention_mask is None and num_new > 1 and query.is_cuda:
-        # HF's projections leave q/k/v in [B, S_q, H, D] storage; the Gluon prefill kernel reads them through 2-D TMA
-        # descriptors and takes contiguous ones only (flashcore.kernels). One copy each per prefill, small against
-        # the prefill's attention; the gather below gives a padded prefill contiguous ones too. The CPU's kernels
-        # take any strides, so the CPU skips the copies.
+        # The Gluon prefill kernel reads q/k/v through 2-D TMA descriptors and takes contiguous ones only
+        # (flashcore.kernels). flashcore's RoPE kernel (layer kernels) writes q and k so; v, and HF's RoPE output,
+        # are views of the projections' [B, S_q, H, D] storage and get copied here: at a 16 x 512-token prefill the
+        # three copies took as long as the attention (NOTES.md, entry 66). The gather below gives a padded prefill
+        # contiguous ones too. The CPU's kernels take any strides, so the CPU skips the copies.
         query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     elif attention_mask is not None:
         if attention_mask.dim() != 2:

@@ -141,8 +141,8 @@ def _rotary_embedding_kernel(
     k_ptr,  # [B, H_kv, S, D], unit stride along D
     cos_ptr,  # [B or 1, S, D], unit stride along D
     sin_ptr,  # like cos
-    q_out_ptr,  # [B, S, H_q, D], contiguous
-    k_out_ptr,  # [B, S, H_kv, D], contiguous
+    q_out_ptr,  # [B, H_q, S, D], contiguous
+    k_out_ptr,  # [B, H_kv, S, D], contiguous
     stride_q_b,
     stride_q_h,
     stride_q_s,
@@ -187,8 +187,8 @@ def _rotary_embedding_kernel(
     )
     out_rows = tl.where(
         is_query,
-        q_out_ptr + ((batch * num_tokens + token) * num_q_heads + q_heads) * (2 * HALF),
-        k_out_ptr + ((batch * num_tokens + token) * num_kv_heads + kv_heads) * (2 * HALF),
+        q_out_ptr + ((batch * num_q_heads + q_heads) * num_tokens + token) * (2 * HALF),
+        k_out_ptr + ((batch * num_kv_heads + kv_heads) * num_tokens + token) * (2 * HALF),
     )
     lo = tl.load(x_rows[:, None] + offs[None, :], mask=mask, other=0.0)
     hi = tl.load(x_rows[:, None] + HALF + offs[None, :], mask=mask, other=0.0)
@@ -257,12 +257,13 @@ def rotary_embedding_triton(
     query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``query`` ``[B, H_q, S, D]``, ``key`` ``[B, H_kv, S, D]``, ``cos``/``sin`` ``[B or 1, S, D]`` (same strides),
-    each with unit stride along D. Returns the rotated query and key as ``[B, H, S, D]`` views of ``[B, S, H, D]``
-    storage, the layout HF's projections give."""
+    each with unit stride along D. Returns the rotated query and key as contiguous ``[B, H, S, D]`` tensors, the
+    layout the attention kernels read (the Gluon prefill kernel's TMA descriptors take no other; NOTES.md, entry 67).
+    At one token that is the memory of HF's ``[B, S, H, D]`` storage."""
     batch, num_q_heads, num_tokens, head_dim = query.shape
     num_kv_heads = key.shape[1]
-    query_out = torch.empty((batch, num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
-    key_out = torch.empty((batch, num_tokens, num_kv_heads, head_dim), dtype=key.dtype, device=key.device)
+    query_out = torch.empty((batch, num_q_heads, num_tokens, head_dim), dtype=query.dtype, device=query.device)
+    key_out = torch.empty((batch, num_kv_heads, num_tokens, head_dim), dtype=key.dtype, device=key.device)
     half, half_pad = head_dim // 2, triton.next_power_of_2(head_dim // 2)
     block_h = min(ROTARY_HEADS_PER_PROGRAM, triton.next_power_of_2(num_q_heads + num_kv_heads))
     use_pdl = uses_programmatic_launch(query.device)
@@ -280,4 +281,4 @@ def rotary_embedding_triton(
         num_stages=1,
         launch_pdl=use_pdl,
     )  # fmt: skip
-    return query_out.transpose(1, 2), key_out.transpose(1, 2)
+    return query_out, key_out
