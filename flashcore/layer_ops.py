@@ -29,8 +29,8 @@ from flashcore.kernels.triton import layer_kernels
 from flashcore.kernels.triton import rows_gemm as rows_gemm_kernels
 
 __all__ = [
-    "add_rms_norm", "apply_rotary_embedding", "gemv", "gemv_can_rotate", "rms_norm", "rows_gemm", "silu_and_mul",
-    "silu_and_mul_gemv", "ROWS_GEMM_MAX_ROWS",
+    "add_rms_norm", "apply_rotary_embedding", "gemv", "gemv_can_rotate", "rms_norm", "rows_gemm",
+    "rows_gemm_can_rotate", "silu_and_mul", "silu_and_mul_gemv", "ROWS_GEMM_MAX_ROWS",
 ]  # fmt: skip
 
 ROWS_GEMM_MAX_ROWS = rows_gemm_kernels.MAX_ROWS
@@ -195,12 +195,7 @@ def gemv(
     row = x.reshape(-1)
     bias, residual = _check_projection(x, "x", weight, bias, residual)
     if norm_weight is not None:
-        if not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != x.shape[-1:]:
-            shape = tuple(norm_weight.shape) if isinstance(norm_weight, torch.Tensor) else type(norm_weight).__name__
-            raise ValueError(f"norm_weight must be [K] = [{x.shape[-1]}] or None, got {shape}")
-        _check_like(x, "x", norm_weight=norm_weight)
-        if not eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {eps!r}")
+        _check_norm_weight(x, norm_weight, eps)
     cos, sin, rotated = _check_rotary(x, weight.shape[0], cos, sin, rotated)
     if torch.compiler.is_compiling():
         out = row.new_empty(weight.shape[:1])
@@ -259,10 +254,16 @@ def rows_gemm(
     *,
     up: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+    rotated: int | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for at most ``ROWS_GEMM_MAX_ROWS`` (16) rows of ``x``, on tensor cores: a decode
     step's projection at a batch of a few rows. With ``up``, of ``silu_and_mul(x, up)``: a SwiGLU MLP's down
-    projection, without its input written and read back.
+    projection, without its input written and read back. With ``norm_weight`` and ``cos``/``sin``, of the RMSNorm of
+    ``x``, its first outputs rotated: the q/k/v projection between the layer's norm and its attention.
 
     Args:
         x: ``[..., K]`` of 1 to 16 rows (the leading dims' product), unit stride along K, rows at one stride (a
@@ -273,10 +274,22 @@ def rows_gemm(
             :func:`silu_and_mul`'s roundings, to its bits.
         residual: ``[..., N]`` of the output's shape, or None. Added to the rounded projection and rounded again:
             HF's ``residual + down_proj(x)``.
+        norm_weight: ``[K]`` or None (not with ``up``). With it the input is ``rms_norm(x, norm_weight, eps)``, as
+            :func:`gemv` computes it: the norm's roundings, each row's squares summed in another order than
+            :func:`rms_norm`'s, so an input value may round the other way.
+        eps: the norm's, >= 0; used only with ``norm_weight``.
+        cos: ``[..., D]`` holding one row of the rotary embedding per row of ``x`` (the model's rotary embedding of
+            the rows' positions, e.g. ``[B, 1, D]`` at a decode step), rows at one stride, or None. With it the
+            outputs ``[0, rotated)``, heads of D, get the rotary embedding with :func:`apply_rotary_embedding`'s
+            roundings, to its bits.
+        sin: like ``cos``, with its strides; both or neither.
+        rotated: a multiple of D and of 64 (:func:`rows_gemm_can_rotate`) in ``(0, N]``; None: N. Used only with
+            ``cos``.
 
     Returns:
         A new contiguous ``[..., N]`` tensor of ``x``'s dtype: the products summed in fp32 (in slices of K, the
-        slices added in K order), plus the bias, rounded once (then plus the residual, rounded).
+        slices added in K order), plus the bias, rounded once (then rotated, each product rounded; then plus the
+        residual, rounded).
     """
     _check_runs(x, "x")
     if x.dim() == 0 or not 0 < x.numel() // max(x.shape[-1], 1) <= ROWS_GEMM_MAX_ROWS:
@@ -291,15 +304,82 @@ def rows_gemm(
             raise ValueError(f"up must have x's shape {tuple(x.shape)} or be None, got {shape}")
         _check_like(x, "x", up=up)
     bias, residual = _check_projection(x, "x", weight, bias, residual)
+    if norm_weight is not None:
+        if up is not None:
+            raise ValueError("rows_gemm takes up (a SwiGLU's down projection) or norm_weight, not both")
+        _check_norm_weight(x, norm_weight, eps)
+    cos_rows, sin_rows, rotated = _check_row_rotary(x, rows, weight.shape[0], cos, sin, rotated)
     x_rows = x.reshape(rows, k)
     up_rows = up.reshape(rows, k) if up is not None else None
     residual_rows = residual.view(rows, weight.shape[0]) if residual is not None else None
     if torch.compiler.is_compiling():
         out = x_rows.new_empty(rows, weight.shape[0])
-        torch.ops.flashcore.rows_gemm(x_rows, up_rows, weight, bias, residual_rows, out)
+        torch.ops.flashcore.rows_gemm(
+            x_rows, up_rows, weight, bias, residual_rows, norm_weight, float(eps), cos_rows, sin_rows, rotated, out
+        )
     else:
-        out = rows_gemm_kernels.rows_gemm_triton(x_rows, weight, bias, up=up_rows, residual=residual_rows)
+        out = rows_gemm_kernels.rows_gemm_triton(
+            x_rows, weight, bias, up=up_rows, residual=residual_rows, norm_weight=norm_weight, eps=eps, cos=cos_rows,
+            sin=sin_rows, rotated=rotated,
+        )  # fmt: skip
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def rows_gemm_can_rotate(rotated: int) -> bool:
+    """Whether :func:`rows_gemm` can apply the rotary embedding to its first ``rotated`` outputs: whole programs of
+    its 64 weight rows, so that a program holds both halves' rows of the pairs it owns."""
+    return rotated > 0 and rotated % rows_gemm_kernels.BLOCK_N == 0
+
+
+def _check_norm_weight(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> None:
+    if not isinstance(norm_weight, torch.Tensor) or norm_weight.shape != x.shape[-1:]:
+        shape = tuple(norm_weight.shape) if isinstance(norm_weight, torch.Tensor) else type(norm_weight).__name__
+        raise ValueError(f"norm_weight must be [K] = [{x.shape[-1]}] or None, got {shape}")
+    _check_like(x, "x", norm_weight=norm_weight)
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+
+
+def _check_row_rotary(
+    x: torch.Tensor, rows: int, n: int, cos: torch.Tensor | None, sin: torch.Tensor | None, rotated: int | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """Checks :func:`rows_gemm`'s rotary embedding; returns ``cos`` and ``sin`` as ``[rows, D]`` views and
+    ``rotated`` as an int (0 without them)."""
+    if cos is None and sin is None:
+        return None, None, 0
+    if cos is None or sin is None:
+        raise ValueError("pass both cos and sin for the rotary embedding, or neither")
+    head_dim = cos.shape[-1] if isinstance(cos, torch.Tensor) and cos.dim() > 0 else 0
+    for name, tensor in (("cos", cos), ("sin", sin)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.numel() != rows * head_dim:
+            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(
+                f"{name} must be [..., D] holding one row per row of x ({rows}), e.g. [B, 1, D] at a decode step, "
+                f"got {shape}"
+            )
+    if sin.shape != cos.shape or sin.stride() != cos.stride():
+        raise ValueError(
+            f"sin must have cos's shape {tuple(cos.shape)} and strides {cos.stride()}, got {tuple(sin.shape)} and "
+            f"{sin.stride()}; pass the pair the model's rotary embedding returns"
+        )
+    if head_dim % 2:
+        raise ValueError(f"the rotary embedding pairs halves of D: D must be even, got {head_dim}")
+    _check_like(x, "x", cos=cos, sin=sin)
+    try:
+        cos_rows, sin_rows = cos.view(rows, head_dim), sin.view(rows, head_dim)
+    except RuntimeError:
+        raise ValueError(
+            f"cos and sin must hold their rows at one stride, got strides {cos.stride()}; pass .contiguous()"
+        ) from None
+    rotated = n if rotated is None else rotated
+    if not (
+        isinstance(rotated, int) and 0 < rotated <= n and rotated % head_dim == 0 and rows_gemm_can_rotate(rotated)
+    ):
+        raise ValueError(
+            f"rotated must be a multiple of D = {head_dim} and of {rows_gemm_kernels.BLOCK_N} in (0, N = {n}] or "
+            f"None, got {rotated!r}; apply_rotary_embedding takes any heads"
+        )
+    return cos_rows, sin_rows, rotated
 
 
 def _check_rotary(
@@ -492,14 +572,25 @@ def _silu_and_mul_gemv_op(
         gemv_kernels.gemv_triton(gate, weight, bias, up=up, residual=residual, out=out)
 
 
-@torch.library.custom_op("flashcore::rows_gemm", mutates_args=("out",))
+# flexible_layout as for the GEMV's op, for the same cos and sin; the body checks the unit strides.
+@torch.library.custom_op("flashcore::rows_gemm", mutates_args=("out",), tags=(torch.Tag.flexible_layout,))
 def _rows_gemm_op(
     x: torch.Tensor,
     up: torch.Tensor | None,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    rotated: int,
     out: torch.Tensor,
 ) -> None:
+    operands = dict(up=up, residual=residual, norm_weight=norm_weight, cos=cos, sin=sin, out=out)
+    _check_like(x, "x", weight=weight, **{name: t for name, t in operands.items() if t is not None})
     with on_device_of(x):
-        rows_gemm_kernels.rows_gemm_triton(x, weight, bias, up=up, residual=residual, out=out)
+        rows_gemm_kernels.rows_gemm_triton(
+            x, weight, bias, up=up, residual=residual, norm_weight=norm_weight, eps=eps, cos=cos, sin=sin,
+            rotated=rotated, out=out,
+        )  # fmt: skip

@@ -158,26 +158,30 @@ def _project(
     (``(cos, sin)``, or None).
 
     Through the fused GEMM where the module has one (``names`` are then the ones it fused). On flashcore's one-row
-    GEMV where :func:`_runs_gemv` and every projection is the fused one or a plain ``nn.Linear``: no hooks (tensor
-    parallelism's are hooks) and no forward replaced by anything but ``onednn_linears``; the GEMV then computes the
-    norm too where that runs flashcore's (``runs_kernel_norm``), and the rotary embedding where one is given.
+    GEMV where :func:`_runs_gemv`, and on its few-row GEMM where :func:`_rows_gemm_rotates` (the q/k/v projection of
+    a decode step of a few rows), where every projection is the fused one or a plain ``nn.Linear``: no hooks (tensor
+    parallelism's are hooks) and no forward replaced by anything but ``onednn_linears``. The kernel then computes
+    the norm too where that runs flashcore's (``runs_kernel_norm``), and the rotary embedding where one is given.
     Otherwise each module, as the stock forward calls it."""
     fused = module.__dict__.get("_fused_projection") if len(names) > 1 else None
     linears = [fused] if fused is not None else [getattr(module, name) for name in names]
-    one_row = _runs_gemv(module, x) and (fused is not None or all(map(_is_plain_linear, linears)))
-    if norm is not None and not (one_row and layer_kernels.runs_kernel_norm(norm)):
+    plain = fused is not None or all(map(_is_plain_linear, linears))
+    one_row = _runs_gemv(module, x) and plain
+    few_rows = not one_row and plain and _rows_gemm_rotates(module, x, fused, linears, rotary)
+    if norm is not None and not ((one_row or few_rows) and layer_kernels.runs_kernel_norm(norm)):
         x, norm = norm(x), None
-    if not one_row:
+    if not (one_row or few_rows):
         return (fused(x) if fused is not None else tuple(linear(x) for linear in linears)), False
+    project = layer_ops.gemv if one_row else layer_ops.rows_gemm
     folded = {} if norm is None else dict(norm_weight=norm.weight, eps=norm.variance_epsilon)
     rotation = {} if rotary is None else dict(cos=rotary[0], sin=rotary[1])
     if fused is not None:
         if rotary is not None:
             rotation["rotated"] = sum(fused.out_features[:2])  # the q and k rows of q/k/v
-        out = layer_ops.gemv(x, fused.weight, fused.bias, **folded, **rotation)
+        out = project(x, fused.weight, fused.bias, **folded, **rotation)
         return out.split(fused.out_features, dim=-1), rotary is not None
     outputs = tuple(
-        layer_ops.gemv(x, linear.weight, linear.bias, **folded, **(rotation if i < 2 else {}))
+        project(x, linear.weight, linear.bias, **folded, **(rotation if i < 2 else {}))
         for i, linear in enumerate(linears)
     )
     return outputs, rotary is not None
@@ -215,6 +219,23 @@ def _runs_rows_gemm(module: torch.nn.Module, x: torch.Tensor) -> bool:
     rows, or a short prefill."""
     rows = x.numel() // x.shape[-1]
     return bool(module.__dict__.get("_uses_layer_kernels")) and 1 < rows <= layer_ops.ROWS_GEMM_MAX_ROWS
+
+
+def _rows_gemm_rotates(
+    module: torch.nn.Module,
+    x: torch.Tensor,
+    fused: torch.nn.Module | None,
+    linears: list[torch.nn.Module],
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
+) -> bool:
+    """The q/k/v projection of 2 to 16 rows (:func:`_runs_rows_gemm`) with a rotary embedding of one row per row of
+    ``x``, whose q and k outputs the few-row GEMM can rotate (``layer_ops.rows_gemm_can_rotate``): it then takes the
+    layer's norm before it and the RoPE after it, two launches a layer fewer (NOTES.md, entry 68)."""
+    rows = x.numel() // x.shape[-1]
+    if rotary is None or not _runs_rows_gemm(module, x) or rotary[0].numel() != rows * rotary[0].shape[-1]:
+        return False
+    rotated = [sum(fused.out_features[:2])] if fused is not None else [linear.out_features for linear in linears[:2]]
+    return all(map(layer_ops.rows_gemm_can_rotate, rotated))
 
 
 def _is_plain_linear(linear: torch.nn.Module) -> bool:

@@ -397,8 +397,9 @@ def test_rows_gemm_op_writes_its_out_and_compiles_to_eager_bits(device, generato
     bias = randn((n,), generator=generator, dtype=torch.float32, device=device)
     residual = randn((rows, n), generator=generator, dtype=torch.float32, device=device)
     out = torch.empty(rows, n, device=device)
-    torch.library.opcheck(torch.ops.flashcore.rows_gemm.default, (gate, up, w_down, bias, residual, out))
-    torch.library.opcheck(torch.ops.flashcore.rows_gemm.default, (gate, None, w_down, None, None, out))
+    op = torch.ops.flashcore.rows_gemm.default
+    torch.library.opcheck(op, (gate, up, w_down, bias, residual, None, 0.0, None, None, 0, out))
+    torch.library.opcheck(op, (gate, None, w_down, None, None, None, 0.0, None, None, 0, out))
 
     def two_mlps(hidden):
         for _ in range(2):
@@ -408,6 +409,93 @@ def test_rows_gemm_op_writes_its_out_and_compiles_to_eager_bits(device, generato
 
     torch._dynamo.reset()
     assert torch.equal(torch.compile(two_mlps, fullgraph=True)(residual), two_mlps(residual))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k, rows", [(64, 100, 3), (300, 2500, 16)])  # 2500: split K, a ragged last tile
+def test_rows_gemm_folds_the_rms_norm(n, k, rows, dtype, device, generator):
+    """``rows_gemm(x, W, norm_weight=w, eps=e)`` against fp64 ``rms_norm(x, w, e) @ W.T`` per row, the norm's output
+    taken from :func:`layer_ops.rms_norm` (checked against ``LlamaRMSNorm`` above). As in the GEMV, the kernel sums
+    each row's squares in another order, so an input value may round to its neighbour: the bound adds one ulp of
+    every input to the GEMM's."""
+    x = randn((rows, 1, k), generator=generator, dtype=dtype, device=device) * 3
+    norm_weight = 1 + randn((k,), generator=generator, dtype=dtype, device=device) / 4
+    weight = randn((n, k), generator=generator, dtype=dtype, device=device) / k**0.5
+    bias = randn((n,), generator=generator, dtype=dtype, device=device)
+
+    out = layer_ops.rows_gemm(x, weight, bias, norm_weight=norm_weight, eps=1e-5)
+
+    assert out.shape == (rows, 1, n) and out.dtype == dtype
+    normed64 = layer_ops.rms_norm(x, norm_weight, 1e-5).reshape(rows, k).double()
+    weight64 = weight.double()
+    expected = normed64 @ weight64.T + bias.double()
+    magnitude = normed64.abs() @ weight64.abs().T
+    eps = torch.finfo(dtype).eps
+    bound = eps / 2 * expected.abs() + k * torch.finfo(torch.float32).eps * magnitude + eps * magnitude
+    error = (out.reshape(rows, n).double() - expected).abs()
+    assert bool((error <= bound).all()), f"worst excess {float((error - bound).max())}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads, head_dim, k, rows", [((9, 3), 64, 96, 5), ((4, 2), 32, 2500, 16), ((2, 1), 128, 64, 2)]
+)  # SmolLM2's heads; D 32 (two heads a program); D 128 (half a head a program); K 2500 split
+@pytest.mark.parametrize("with_norm", [False, True], ids=["no_norm", "norm"])
+def test_rows_gemm_folds_the_rotary_embedding(heads, head_dim, k, rows, with_norm, dtype, device, generator):
+    """``rows_gemm(..., cos=, sin=, rotated=)`` gives the bits of the GEMM, then
+    :func:`layer_ops.apply_rotary_embedding` (checked against HF's ``apply_rotary_pos_emb`` above) on its q and k
+    rows, each row at its own position; the v rows untouched: the q/k/v projection of a decode step of ``rows``
+    rows, with the layer's norm folded in or not.
+
+    Bit for bit on the GPU. The interpreter runs ``tl.dot`` as numpy's matmul, whose fp32 sums depend on a row's
+    place in the tile, and a rotating program holds its weight rows in pair order (at D 32 not the plain one): there
+    a product may differ by an ulp before the rotation, so the bound is 4 ulps of the largest output."""
+    num_q, num_kv = heads
+    sizes = [num_q * head_dim, num_kv * head_dim, num_kv * head_dim]
+    x = randn((rows, 1, k), generator=generator, dtype=dtype, device=device)
+    weight = randn((sum(sizes), k), generator=generator, dtype=dtype, device=device) / k**0.5
+    bias = randn((sum(sizes),), generator=generator, dtype=dtype, device=device)
+    norm = dict(norm_weight=1 + randn((k,), generator=generator, dtype=dtype, device=device) / 4, eps=1e-5)
+    norm = norm if with_norm else {}
+    angles = randn((rows, 1, head_dim // 2), generator=generator, dtype=torch.float32, device=device) * 100
+    cos, sin = (f(torch.cat([angles, angles], dim=-1)).to(dtype) for f in (torch.cos, torch.sin))
+
+    rotated = layer_ops.rows_gemm(x, weight, bias, **norm, cos=cos, sin=sin, rotated=sum(sizes[:2]))
+
+    def heads_of(projected):  # [B, 1, H * D] -> [B, H, 1, D], as HF's attention views its projections
+        return projected.view(rows, 1, -1, head_dim).transpose(1, 2)
+
+    plain = layer_ops.rows_gemm(x, weight, bias, **norm).split(sizes, dim=-1)
+    query, key = layer_ops.apply_rotary_embedding(heads_of(plain[0]), heads_of(plain[1]), cos, sin)
+    expected = torch.cat([t.transpose(1, 2).reshape(rows, 1, -1) for t in (query, key, heads_of(plain[2]))], dim=-1)
+    if device.type == "cuda":
+        assert torch.equal(rotated, expected)
+    else:
+        ulp = torch.finfo(dtype).eps * float(expected.abs().max())
+        assert float((rotated - expected).abs().max()) <= 4 * ulp
+
+
+def test_rows_gemm_op_with_the_norm_and_rotary_compiles_to_eager_bits(device, generator):
+    """The norm and rotary operands through ``flashcore::rows_gemm``: opcheck, and a fullgraph compile of two
+    layers' q/k/v projections, each taking the last one's v rows as its input, gives the eager bits."""
+    rows, head_dim, k = 3, 32, 64
+    weight = randn((4 * head_dim, k), generator=generator, dtype=torch.float32, device=device) / k**0.5
+    norm_weight = 1 + randn((k,), generator=generator, dtype=torch.float32, device=device) / 4
+    x = randn((rows, 1, k), generator=generator, dtype=torch.float32, device=device)
+    angles = randn((rows, 1, head_dim), generator=generator, dtype=torch.float32, device=device)
+    cos, sin = angles.cos(), angles.sin()
+    out = torch.empty(rows, 4 * head_dim, device=device)
+    args = (x.view(rows, k), None, weight, None, None, norm_weight, 1e-5, cos.view(rows, -1), sin.view(rows, -1), 64)
+    torch.library.opcheck(torch.ops.flashcore.rows_gemm.default, (*args, out))
+
+    def two_layers(hidden):
+        for _ in range(2):
+            qkv = layer_ops.rows_gemm(hidden, weight, norm_weight=norm_weight, eps=1e-5, cos=cos, sin=sin, rotated=64)
+            hidden = qkv[..., 2 * head_dim :] * 2
+        return qkv
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(two_layers, fullgraph=True)(x), two_layers(x))
 
 
 def test_rows_gemm_errors_name_the_argument_and_the_fix(device, generator):
@@ -425,6 +513,21 @@ def test_rows_gemm_errors_name_the_argument_and_the_fix(device, generator):
         layer_ops.rows_gemm(x[:4], weight[:, :32])
     with pytest.raises(ValueError, match="x must have unit stride"):
         layer_ops.rows_gemm(x[:4, ::2], weight[:, :32])
+    with pytest.raises(ValueError, match="takes up .* or norm_weight, not both"):
+        layer_ops.rows_gemm(x[:4], weight, up=x[:4], norm_weight=x[0])
+    with pytest.raises(ValueError, match=r"norm_weight must be \[K\] = \[64\]"):
+        layer_ops.rows_gemm(x[:4], weight, norm_weight=x[0, :32])
+    cos = x[:4, :32]
+    with pytest.raises(ValueError, match="pass both cos and sin"):
+        layer_ops.rows_gemm(x[:4], weight, cos=cos)
+    with pytest.raises(ValueError, match=r"cos must be \[..., D\] holding one row per row of x \(4\)"):
+        layer_ops.rows_gemm(x[:4], weight, cos=cos[:2], sin=cos[:2])
+    wide = randn((96, 64), generator=generator, dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match=r"rotated must be a multiple of D = 32 and of 64 in \(0, N = 96\]"):
+        layer_ops.rows_gemm(x[:4], wide, cos=cos, sin=cos)
+    with pytest.raises(ValueError, match="rotated must be a multiple of D = 32 and of 64"):
+        layer_ops.rows_gemm(x[:4], wide, cos=cos, sin=cos, rotated=32)
+    assert layer_ops.rows_gemm_can_rotate(64) and not layer_ops.rows_gemm_can_rotate(96)
 
 
 def test_errors_name_the_argument_and_the_fix(device, generator, monkeypatch):
@@ -486,7 +589,9 @@ def test_patched_model_matches_stock_and_runs_the_kernels(
 ):
     """fp32, left-padded batch: stock's greedy tokens; every norm, RoPE and SwiGLU of every step on the kernels. The
     decode steps' three rows run the down projection (with the SiLU-and-mul and the residual add) and the LM head
-    on the few-row GEMM; the prefill's 21 rows keep the model's GEMMs."""
+    on the few-row GEMM, and with fused projections the q/k/v projection too (with the input norm and the RoPE): its
+    q and k are 128 outputs, two of the kernel's 64-row programs, where the unfused q's 96 are not whole programs.
+    The prefill's 21 rows keep the model's GEMMs."""
     model = tiny_llama("gqa", seed_of(request), device)
     input_ids, attention_mask = random_prompts([7, 3, 5], generator, device)
     # Eager steps: a compiled, graph-replayed step (generate's default on CUDA) runs no Python to count.
@@ -509,14 +614,15 @@ def test_patched_model_matches_stock_and_runs_the_kernels(
     torch.testing.assert_close(logits[real], stock_logits[real], rtol=1e-4, atol=1e-4)
     layers, forwards = model.config.num_hidden_layers, 5  # a prefill and 4 decode steps
     runs_head_forward = isinstance(model.lm_head.__dict__.get("forward"), integration_layer_kernels.HeadForward)
+    qkv_folds = layers * (forwards - 1) if fuse_first else 0  # the decode steps' q/k/v projections
     assert layer_kernel_launches == {
         "add_rms_norm_triton": layers * forwards,  # the add after attention and the norm before the MLP
-        "rms_norm_triton": (layers + 1) * forwards,
-        "rotary_embedding_triton": layers * forwards,
+        "rms_norm_triton": (layers + 1) * forwards - qkv_folds,
+        "rotary_embedding_triton": layers * forwards - qkv_folds,
         "silu_and_mul_triton": layers,  # the prefill's
-        # each decode step's down projections, and every forward's LM head where it is flashcore's (on the CPU
-        # oneDNN's linears take the head)
-        "rows_gemm_triton": layers * (forwards - 1) + (forwards if runs_head_forward else 0),
+        # each decode step's down projections (and q/k/v), and every forward's LM head where it is flashcore's (on
+        # the CPU oneDNN's linears take the head)
+        "rows_gemm_triton": layers * (forwards - 1) + qkv_folds + (forwards if runs_head_forward else 0),
     }  # no GEMV: every forward has three rows
 
 
@@ -551,14 +657,18 @@ def test_batch_1_decode_runs_the_gemv(fuse_first, with_bias, device, generator, 
     layers = model.config.num_hidden_layers
     # A decode step's RMSNorms (but the final one), RoPE and SiLU-and-mul run inside the GEMVs; the prefill's norms
     # and RoPE on their own, its 6 rows' SiLU-and-mul and residual add inside the few-row GEMM of the down projection.
+    # Fused, the prefill's q/k/v projection runs on the few-row GEMM too, with its norm and RoPE (q and k are 128
+    # outputs, two of its 64-row programs).
     assert model.config.head_dim % 8 == 0  # what the GEMV's RoPE takes
-    assert launches == {
+    prefill_qkv = layers if fuse_first else 0
+    expected_launches = {
         "gemv_triton": decode_steps * layers * projections + 1 + decode_steps,  # and the LM head's, of the last token
         "add_rms_norm_triton": layers,
-        "rms_norm_triton": layers + 1 + decode_steps,
-        "rotary_embedding_triton": layers,
-        "rows_gemm_triton": layers,
+        "rms_norm_triton": layers + 1 + decode_steps - prefill_qkv,
+        "rotary_embedding_triton": layers - prefill_qkv,
+        "rows_gemm_triton": layers + prefill_qkv,
     }
+    assert launches == {name: count for name, count in expected_launches.items() if count}
     torch.testing.assert_close(logits, stock_logits, rtol=1e-4, atol=1e-4)
 
 

@@ -26,7 +26,7 @@ Four options fold the decoder layer's neighbouring work into the GEMV, each one 
 - ``cos``/``sin``: the first ``rotated`` outputs are heads that get the rotary embedding, rounded as
   ``layer_kernels.py``'s RoPE kernel rounds (HF's, to the bit): the q/k/v projection of a decode step, without
   RoPE's launch. A program that rotates owns ``BLOCK_N / 2`` rows of a head's first half and their partners
-  ``D / 2`` rows on (:func:`_rotary_rows`), so each output's partner in ``rotate_half`` is in its registers.
+  ``D / 2`` rows on (:func:`rotary_rows`), so each output's partner in ``rotate_half`` is in its registers.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def _gemv_input(x, up_ptr, norm_weight_ptr, inv_rms, cols, mask_k, SWIGLU: tl.co
 
 
 @triton.jit
-def _rotary_rows(BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+def rotary_rows(BLOCK_N: tl.constexpr, HALF: tl.constexpr):
     """The rows of a program that rotates: ``BLOCK_N // 2`` consecutive rows of the first half of a head, then the
     rows ``HALF`` after each, their partners in ``rotate_half``. Over the programs, each rotated row once."""
     PAIRS: tl.constexpr = BLOCK_N // 2
@@ -79,7 +79,7 @@ def _epilogue_operands(
 ):  # fmt: skip
     """``(residual, cos_lo, cos_hi, sin_lo, sin_hi)``: what the epilogue reads besides the products (0.0 for what the
     switches leave out): the residual at ``offs_n``, and the rotary rows of the pairs a rotating program owns, in
-    :func:`_rotary_rows`' order (loaded by every program; only those that rotate use them)."""
+    :func:`rotary_rows`' order (loaded by every program; only those that rotate use them)."""
     residual = 0.0
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -97,7 +97,7 @@ def _epilogue_operands(
 
 @triton.jit
 def _rotate_pairs(out, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
-    """``out`` (rounded, in :func:`_rotary_rows`' order) rotated with ``layer_kernels.rotate_halves``, as the RoPE
+    """``out`` (rounded, in :func:`rotary_rows`' order) rotated with ``layer_kernels.rotate_halves``, as the RoPE
     kernel rotates it, by the rows :func:`_epilogue_operands` loaded."""
     PAIRS: tl.constexpr = BLOCK_N // 2
     lo, hi = tl.split(tl.trans(tl.reshape(out, (2, PAIRS))))
@@ -134,7 +134,7 @@ def _gemv_kernel(
 ):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     if ROTARY:
-        offs_n = tl.where(tl.program_id(0) * BLOCK_N < rotated, _rotary_rows(BLOCK_N, HALF), offs_n)
+        offs_n = tl.where(tl.program_id(0) * BLOCK_N < rotated, rotary_rows(BLOCK_N, HALF), offs_n)
     mask_n = offs_n < n
     offs_k = tl.arange(0, BLOCK_K)
     weight_rows = weight_ptr + offs_n.to(tl.int64)[:, None] * stride_weight_n

@@ -1,0 +1,53 @@
+"""Issue 29: the q/k/v projection on flashcore's few-row GEMM, with the RMSNorm and the RoPE inside, at B=16.
+
+At 16 rows a decoder layer ran its input RMSNorm (a launch), the q/k/v GEMM on cuBLAS and the RoPE (a launch).
+``layer_ops.rows_gemm(x, W, norm_weight=, eps=, cos=, sin=, rotated=)`` runs the three as one launch, as entry 65's
+down projection took its SiLU-and-mul and residual add. This probe times a ``DecodeSession``'s replayed step
+(``fuse_projections`` and ``layer_kernels``) on ``bench_generate``'s model (bf16, 16 random 512-token prompts) in one
+process, the variants alternating over ``--rounds`` rounds:
+
+- ``cublas_qkv`` / ``cublas_qkv_compiled``: the fold off (the fork's ``_rows_gemm_rotates`` answering False while the
+  session is built and captured), as before;
+- ``rows_gemm_qkv`` / ``rows_gemm_qkv_compiled``: as shipped; ``_compiled`` with ``compile=True``.
+
+Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``cublas_qkv``'s (another
+summation order, and the norm's squares summed in another order, so they may part at a near-tie).
+
+    python benchmarks/probes/session_qkv_rows_gemm_b16.py --out session_qkv_rows_gemm_b16.json --max-cache-len 768
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness  # noqa: E402
+
+from flashcore.integrations import llama_forward_fork as fork  # noqa: E402
+
+VARIANTS = {  # name: (the fold, compile)
+    "cublas_qkv": (False, False),
+    "rows_gemm_qkv": (True, False),
+    "cublas_qkv_compiled": (False, True),
+    "rows_gemm_qkv_compiled": (True, True),
+}
+
+
+def timed_session(model, input_ids, fold: bool, compile: bool) -> dict:
+    rotates = fork._rows_gemm_rotates
+    if not fold:
+        fork._rows_gemm_rotates = lambda *args: False
+    try:
+        return harness.session_steps(model, input_ids, fuse_projections=True, layer_kernels=True, compile=compile)
+    finally:
+        fork._rows_gemm_rotates = rotates
+
+
+def main() -> None:
+    harness.session_probe_main(__doc__, VARIANTS, timed_session, reference="cublas_qkv", batch=16)
+
+
+if __name__ == "__main__":
+    main()
