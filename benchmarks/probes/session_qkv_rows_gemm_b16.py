@@ -8,7 +8,9 @@ process, the variants alternating over ``--rounds`` rounds:
 
 - ``cublas_qkv`` / ``cublas_qkv_compiled``: the fold off (the fork's ``_rows_gemm_rotates`` answering False while the
   session is built and captured), as before;
-- ``rows_gemm_qkv`` / ``rows_gemm_qkv_compiled``: as shipped; ``_compiled`` with ``compile=True``.
+- ``rows_gemm_qkv`` / ``rows_gemm_qkv_compiled``: as shipped; ``_compiled`` with ``compile=True``;
+- ``rows_gemm_qkv_norm_apart``: the RoPE inside, the norm a launch of its own as before (the integration's
+  ``runs_kernel_norm`` answering False), to part the norm's prologue from the rest.
 
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``cublas_qkv``'s (another
 summation order, and the norm's squares summed in another order, so they may part at a near-tie).
@@ -27,22 +29,25 @@ import harness  # noqa: E402
 
 from flashcore.integrations import llama_forward_fork as fork  # noqa: E402
 
-VARIANTS = {  # name: (the fold, compile)
-    "cublas_qkv": (False, False),
-    "rows_gemm_qkv": (True, False),
-    "cublas_qkv_compiled": (False, True),
-    "rows_gemm_qkv_compiled": (True, True),
+VARIANTS = {  # name: (the fold, compile, the norm inside)
+    "cublas_qkv": (False, False, True),
+    "rows_gemm_qkv": (True, False, True),
+    "cublas_qkv_compiled": (False, True, True),
+    "rows_gemm_qkv_compiled": (True, True, True),
+    "rows_gemm_qkv_norm_apart": (True, False, False),
 }
 
 
-def timed_session(model, input_ids, fold: bool, compile: bool) -> dict:
-    rotates = fork._rows_gemm_rotates
+def timed_session(model, input_ids, fold: bool, compile: bool, norm_inside: bool) -> dict:
+    rotates, runs_kernel_norm = fork._rows_gemm_rotates, fork.layer_kernels.runs_kernel_norm
     if not fold:
         fork._rows_gemm_rotates = lambda *args: False
+    if not norm_inside:  # at 16 rows only the few-row GEMM asks
+        fork.layer_kernels.runs_kernel_norm = lambda norm: False
     try:
         return harness.session_steps(model, input_ids, fuse_projections=True, layer_kernels=True, compile=compile)
     finally:
-        fork._rows_gemm_rotates = rotates
+        fork._rows_gemm_rotates, fork.layer_kernels.runs_kernel_norm = rotates, runs_kernel_norm
 
 
 def main() -> None:
