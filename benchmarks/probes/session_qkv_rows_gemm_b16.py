@@ -10,7 +10,10 @@ process, the variants alternating over ``--rounds`` rounds:
   session is built and captured), as before;
 - ``rows_gemm_qkv`` / ``rows_gemm_qkv_compiled``: as shipped; ``_compiled`` with ``compile=True``;
 - ``rows_gemm_qkv_norm_apart``: the RoPE inside, the norm a launch of its own as before (the integration's
-  ``runs_kernel_norm`` answering False), to part the norm's prologue from the rest.
+  ``runs_kernel_norm`` answering False), to part the norm's prologue from the rest;
+- ``..._k512`` / ``..._k512_w8``: the q/k/v shape's tiles 64 x 512 instead of 64 x 128 (4 or 8 warps;
+  ``rows_gemm.rows_gemm_config`` replaced for that shape), so each of its 192 programs loads its whole K slice, 64 KB
+  of weight, in one tile before the PDL wait, and the norm's prologue runs while it streams.
 
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``cublas_qkv``'s (another
 summation order, and the norm's squares summed in another order, so they may part at a near-tie).
@@ -28,26 +31,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 
 from flashcore.integrations import llama_forward_fork as fork  # noqa: E402
+from flashcore.kernels.triton import rows_gemm as rows_gemm_kernels  # noqa: E402
 
-VARIANTS = {  # name: (the fold, compile, the norm inside)
-    "cublas_qkv": (False, False, True),
-    "rows_gemm_qkv": (True, False, True),
-    "cublas_qkv_compiled": (False, True, True),
-    "rows_gemm_qkv_compiled": (True, True, True),
-    "rows_gemm_qkv_norm_apart": (True, False, False),
+VARIANTS = {  # name: (the fold, compile, the norm inside, the q/k/v tile's K and warps or None)
+    "cublas_qkv": (False, False, True, None),
+    "rows_gemm_qkv": (True, False, True, None),
+    "cublas_qkv_compiled": (False, True, True, None),
+    "rows_gemm_qkv_compiled": (True, True, True, None),
+    "rows_gemm_qkv_norm_apart": (True, False, False, None),
+    "rows_gemm_qkv_k512": (True, False, True, (512, 4)),
+    "rows_gemm_qkv_k512_w8": (True, False, True, (512, 8)),
+    "rows_gemm_qkv_norm_apart_k512": (True, False, False, (512, 4)),
 }
+QKV_SHAPE = (3072, 2048)  # bench_generate's model, fused
 
 
-def timed_session(model, input_ids, fold: bool, compile: bool, norm_inside: bool) -> dict:
+def with_qkv_tiles(config, block_k: int, num_warps: int):
+    def replaced(n: int, k: int, device):
+        tiles = config(n, k, device)
+        if (n, k) == QKV_SHAPE:
+            tiles = dict(tiles, block_k=block_k, num_warps=num_warps)
+        return tiles
+
+    return replaced
+
+
+def timed_session(model, input_ids, fold: bool, compile: bool, norm_inside: bool, tiles: tuple | None) -> dict:
     rotates, runs_kernel_norm = fork._rows_gemm_rotates, fork.layer_kernels.runs_kernel_norm
+    config = rows_gemm_kernels.rows_gemm_config
     if not fold:
         fork._rows_gemm_rotates = lambda *args: False
     if not norm_inside:  # at 16 rows only the few-row GEMM asks
         fork.layer_kernels.runs_kernel_norm = lambda norm: False
+    if tiles is not None:
+        rows_gemm_kernels.rows_gemm_config = with_qkv_tiles(config, *tiles)
     try:
         return harness.session_steps(model, input_ids, fuse_projections=True, layer_kernels=True, compile=compile)
     finally:
         fork._rows_gemm_rotates, fork.layer_kernels.runs_kernel_norm = rotates, runs_kernel_norm
+        rows_gemm_kernels.rows_gemm_config = config
 
 
 def main() -> None:
