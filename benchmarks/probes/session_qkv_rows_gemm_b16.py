@@ -8,12 +8,13 @@ process, the variants alternating over ``--rounds`` rounds:
 
 - ``cublas_qkv`` / ``cublas_qkv_compiled``: the fold off (the fork's ``_rows_gemm_rotates`` answering False while the
   session is built and captured), as before;
-- ``rows_gemm_qkv`` / ``rows_gemm_qkv_compiled``: as shipped; ``_compiled`` with ``compile=True``;
-- ``rows_gemm_qkv_norm_apart``: the RoPE inside, the norm a launch of its own as before (the integration's
-  ``runs_kernel_norm`` answering False), to part the norm's prologue from the rest;
-- ``..._k512`` / ``..._k512_w8``: the q/k/v shape's tiles 64 x 512 instead of 64 x 128 (4 or 8 warps;
-  ``rows_gemm.rows_gemm_config`` replaced for that shape), so each of its 192 programs loads its whole K slice, 64 KB
-  of weight, in one tile before the PDL wait, and the norm's prologue runs while it streams.
+- ``rows_gemm_qkv`` / ``rows_gemm_qkv_compiled``: as shipped (64 x 512 tiles with the norm, entry 68); ``_compiled``
+  with ``compile=True``;
+- ``rows_gemm_qkv_k128`` / ``..._k512_w8``: the q/k/v shape's tiles 64 x 128 at 4 warps (before entry 68) or 64 x
+  512 at 8 warps (``rows_gemm.rows_gemm_config`` replaced for that shape);
+- ``rows_gemm_qkv_norm_apart``, ``..._norm_apart_k512``: the RoPE inside, the norm a launch of its own as before (the
+  integration's ``runs_kernel_norm`` answering False), with 64 x 128 or 64 x 512 tiles, to part the norm's
+  prologue from the rest.
 
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``cublas_qkv``'s (another
 summation order, and the norm's squares summed in another order, so they may part at a near-tie).
@@ -38,17 +39,17 @@ VARIANTS = {  # name: (the fold, compile, the norm inside, the q/k/v tile's K an
     "rows_gemm_qkv": (True, False, True, None),
     "cublas_qkv_compiled": (False, True, True, None),
     "rows_gemm_qkv_compiled": (True, True, True, None),
-    "rows_gemm_qkv_norm_apart": (True, False, False, None),
-    "rows_gemm_qkv_k512": (True, False, True, (512, 4)),
+    "rows_gemm_qkv_k128": (True, False, True, (128, 4)),
     "rows_gemm_qkv_k512_w8": (True, False, True, (512, 8)),
+    "rows_gemm_qkv_norm_apart": (True, False, False, None),
     "rows_gemm_qkv_norm_apart_k512": (True, False, False, (512, 4)),
 }
 QKV_SHAPE = (3072, 2048)  # bench_generate's model, fused
 
 
 def with_qkv_tiles(config, block_k: int, num_warps: int):
-    def replaced(n: int, k: int, device):
-        tiles = config(n, k, device)
+    def replaced(n: int, k: int, device, norm: bool = False):
+        tiles = config(n, k, device, norm)
         if (n, k) == QKV_SHAPE:
             tiles = dict(tiles, block_k=block_k, num_warps=num_warps)
         return tiles

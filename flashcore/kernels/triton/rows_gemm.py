@@ -227,17 +227,26 @@ _launch_rows_gemm = CachedLauncher(_rows_gemm_kernel)
 
 
 @functools.cache
-def rows_gemm_config(n: int, k: int, device: torch.device) -> dict:
+def rows_gemm_config(n: int, k: int, device: torch.device, norm: bool = False) -> dict:
     """``block_n``, ``block_k``, ``split_k`` and ``num_warps`` for an ``[n, k]`` weight: 64 weight rows and 128 of K
     per tile at 4 warps, one pipeline stage, and the fewest K slices (a divisor of K's tile count) that give every
     SM a program. Entry 61's best variant on the Llama-3.2-1B shape (H100; ``probes/session_splitk_gemm_b16.py``):
     64 x 128 tiles at one stage were ahead of cuBLAS on the down projection and the LM head (2.24 and 2.99 against
     2.01 and 2.78 TB/s alone), two or three stages and 64 x 64 tiles slower, and a program per SM faster in the
-    step than two. Computed once per shape: an eager call's host time is its cost."""
+    step than two. Computed once per shape: an eager call's host time is its cost.
+
+    With the norm folded in (``norm``), up to 512 of K a tile, so that a program's first tile, loaded before the PDL
+    wait, is most or all of its slice and streams while the norm's prologue reads the rows: on the q/k/v projection
+    of a B=16 step (64 x 512, 4 warps, its whole slice) a step 16 µs shorter than cuBLAS with the norm and RoPE
+    launches, where 64 x 128 tiles were 44 µs longer and 8 warps 49 µs (H100,
+    ``probes/session_qkv_rows_gemm_b16.py``, entry 68)."""
     block_n, block_k = BLOCK_N, 128
     blocks, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     splits = [s for s in range(1, steps + 1) if steps % s == 0]
     split_k = next((s for s in splits if blocks * s >= num_sms(device)), splits[-1])
+    if norm:
+        tiles_per_split = steps // split_k
+        block_k *= next(t for t in (4, 2, 1) if tiles_per_split % t == 0)  # whole tiles of each slice
     return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4)
 
 
@@ -264,7 +273,7 @@ def rows_gemm_triton(
     (m, k), n = x.shape, weight.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    config = rows_gemm_config(n, k, x.device)
+    config = rows_gemm_config(n, k, x.device, norm_weight is not None)
     block_n, block_k, split_k = config["block_n"], config["block_k"], config["split_k"]
     k_per_split = triton.cdiv(k, block_k) // split_k * block_k
     blocks = triton.cdiv(n, block_n)
