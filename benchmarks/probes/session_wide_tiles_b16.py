@@ -14,7 +14,9 @@ probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and ``laye
   of the fork's ``_project_residual``), with 64 x 128 or wide tiles;
 - ``gate_up_rows_gemm_wide``: the fused gate/up projection on the few-row GEMM with wide tiles (the fork's
   ``_project`` wrapped for those two names at 2 to 16 rows);
-- ``all_wide``: every projection on the few-row GEMM with wide tiles.
+- ``all_wide``: every projection on the few-row GEMM with wide tiles;
+- ``gate_up_rows_gemm``, ``gate_up_rows_gemm_wide_only``: gate/up on the few-row GEMM with 64 x 128 tiles, or with
+  wide tiles on its shape alone (16384 x 2048, ``GATE_UP_SHAPE``).
 
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``shipped``'s (other
 summation orders: they may part at a near-tie).
@@ -37,14 +39,17 @@ from flashcore import layer_ops  # noqa: E402
 from flashcore.integrations import llama_forward_fork as fork  # noqa: E402
 from flashcore.kernels.triton import rows_gemm as rows_gemm_kernels  # noqa: E402
 
-VARIANTS = {  # name: (wide tiles everywhere, o on the few-row GEMM, gate/up on it)
+VARIANTS = {  # name: (wide tiles: everywhere, on the gate/up shape or nowhere; o on the few-row GEMM; gate/up on it)
     "shipped": (False, False, False),
     "wide_down_head": (True, False, False),
     "o_rows_gemm": (False, True, False),
     "o_rows_gemm_wide": (True, True, False),
     "gate_up_rows_gemm_wide": (True, False, True),
     "all_wide": (True, True, True),
+    "gate_up_rows_gemm": (False, False, True),
+    "gate_up_rows_gemm_wide_only": ("gate_up", False, True),
 }
+GATE_UP_SHAPE = (16384, 2048)  # bench_generate's model, fused
 
 
 def with_gate_up(project):
@@ -59,10 +64,12 @@ def with_gate_up(project):
     return wrapped
 
 
-def timed_session(model, input_ids, wide: bool, o_too: bool, gate_up_too: bool) -> dict:
+def timed_session(model, input_ids, wide: bool | str, o_too: bool, gate_up_too: bool) -> dict:
     config, project, project_residual = rows_gemm_kernels.rows_gemm_config, fork._project, fork._project_residual
     if wide:
-        rows_gemm_kernels.rows_gemm_config = lambda n, k, device, norm=False: config(n, k, device, True)
+        rows_gemm_kernels.rows_gemm_config = lambda n, k, device, norm=False: config(
+            n, k, device, norm or wide is True or (n, k) == GATE_UP_SHAPE
+        )
     if o_too:
         fork._project_residual = with_o_projection(project_residual)
     if gate_up_too:
