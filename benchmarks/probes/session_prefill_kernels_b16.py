@@ -9,7 +9,8 @@ projections' 15.9 TFLOP take about 20 ms at 790 TFLOP/s (entry 65). This probe b
 - profiles one more under torch.profiler (CPU and CUDA activity): the span of its kernels (first start to last
   end), the time the GPU runs none of them inside that span, the host time from the call to its last kernel's end,
   and per category (``decode_step_kernels.category``) the kernels' count and summed duration, with the
-  projections' TFLOP/s over their GEMMs' time; and the 15 kernels with the most summed time.
+  projections' TFLOP/s over their GEMMs' time; the 15 kernels with the most summed time; and the 12 largest gaps
+  in which the GPU runs none of the prefill's kernels, each with the kernels before and after it.
 
 ``--rotary-heads N`` sets ``layer_kernels.ROTARY_HEADS_PER_PROGRAM`` (1: the RoPE's one-head programs of before
 entry 66).
@@ -62,12 +63,24 @@ def profile_prefill(session: DecodeSession, input_ids: torch.Tensor, flop: float
         key=lambda e: e.time_range.start,
     )
     start, end = kernels[0].time_range.start, max(k.time_range.end for k in kernels)
-    busy, covered_to = 0.0, start
-    for kernel in kernels:  # the union of the kernels' intervals
+    busy, covered_to, gaps = 0.0, start, []
+    for index, kernel in enumerate(kernels):  # the union of the kernels' intervals
+        if kernel.time_range.start > covered_to and index > 0:
+            gaps.append((kernel.time_range.start - covered_to, index))
         lo, hi = max(kernel.time_range.start, covered_to), kernel.time_range.end
         if hi > lo:
             busy += hi - lo
             covered_to = hi
+    largest_gaps = [
+        {
+            "us": gap,
+            "at_us": kernels[index].time_range.start - start,
+            "kernel_index": index,
+            "before": kernels[index - 1].name[:80],
+            "after": kernels[index].name[:80],
+        }
+        for gap, index in sorted(gaps, reverse=True)[:12]
+    ]
     by_category: dict[str, dict] = {}
     by_name: dict[str, float] = {}
     for kernel in kernels:
@@ -86,6 +99,7 @@ def profile_prefill(session: DecodeSession, input_ids: torch.Tensor, flop: float
         "projection_tflop": flop / 1e12,
         "projection_tflops_over_gemm_time": flop / (gemm_us * 1e-6) / 1e12 if gemm_us else None,
         "top_kernels_us": sorted(by_name.items(), key=lambda item: -item[1])[:15],
+        "largest_gaps": largest_gaps,
     }
 
 
