@@ -18,7 +18,8 @@ forwards, and transformers has no extension point there:
   the RoPE and the residual adds, and the down projection's GEMV the SiLU-and-mul
   (:func:`flashcore.layer_ops.silu_and_mul_gemv`): four launches per layer where there were ten. At 2 to 16 rows
   the down projection runs on flashcore's few-row GEMM (:func:`flashcore.layer_ops.rows_gemm`), which takes the
-  SiLU-and-mul and the residual add after it. So with the layer
+  SiLU-and-mul and the residual add after it, and so does the q/k/v projection, with the input RMSNorm before it
+  and the RoPE after it, where the GEMM can rotate q and k. So with the layer
   kernels the decoder layer's forward hands each sublayer its norm and its residual. The attention and the MLP
   forwards apply the norm first (or inside the GEMV) and return the residual added (``residual + o_proj(...)``,
   ``residual + down_proj(...)``), what stock's layer computes around them. At more than one token, where the
