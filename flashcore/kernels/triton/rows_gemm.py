@@ -91,13 +91,13 @@ def _rotate_tile(
     PAIRS: tl.constexpr = BLOCK_N // 2
     BLOCK_M: tl.constexpr = out.shape[1]
     dims = (tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)) % HALF
-    rows = cos_ptr + offs_m[None, :] * stride_cos_m + dims[:, None]
-    angles = sin_ptr + offs_m[None, :] * stride_cos_m + dims[:, None]
+    cos_rows = cos_ptr + offs_m[None, :] * stride_cos_m + dims[:, None]
+    sin_rows = sin_ptr + offs_m[None, :] * stride_cos_m + dims[:, None]
     mask = mask_m[None, :]
-    cos_lo = tl.load(rows, mask=mask, other=0.0).to(tl.float32)
-    cos_hi = tl.load(rows + HALF, mask=mask, other=0.0).to(tl.float32)
-    sin_lo = tl.load(angles, mask=mask, other=0.0).to(tl.float32)
-    sin_hi = tl.load(angles + HALF, mask=mask, other=0.0).to(tl.float32)
+    cos_lo = tl.load(cos_rows, mask=mask, other=0.0).to(tl.float32)
+    cos_hi = tl.load(cos_rows + HALF, mask=mask, other=0.0).to(tl.float32)
+    sin_lo = tl.load(sin_rows, mask=mask, other=0.0).to(tl.float32)
+    sin_hi = tl.load(sin_rows + HALF, mask=mask, other=0.0).to(tl.float32)
     lo, hi = tl.split(tl.permute(tl.reshape(out, (2, PAIRS, BLOCK_M)), (1, 2, 0)))
     out_lo, out_hi = rotate_halves(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, EXACT)
     return tl.reshape(tl.permute(tl.join(out_lo, out_hi), (2, 0, 1)), (BLOCK_N, BLOCK_M))
@@ -237,8 +237,8 @@ def rows_gemm_config(n: int, k: int, device: torch.device, norm: bool = False) -
 
     With the norm folded in (``norm``), up to 512 of K a tile, so that a program's first tile, loaded before the PDL
     wait, is most or all of its slice and streams while the norm's prologue reads the rows: on the q/k/v projection
-    of a B=16 step (64 x 512, 4 warps, its whole slice) a step 16 µs shorter than cuBLAS with the norm and RoPE
-    launches, where 64 x 128 tiles were 44 µs longer and 8 warps 49 µs (H100,
+    of a B=16 step (64 x 512, 4 warps, its whole slice) a step 16-19 µs shorter than cuBLAS with the norm and RoPE
+    launches, where 64 x 128 tiles made it 44-47 µs longer and 8 warps 49 µs (H100,
     ``probes/session_qkv_rows_gemm_b16.py``, entry 68)."""
     block_n, block_k = BLOCK_N, 128
     blocks, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
