@@ -235,18 +235,24 @@ def rows_gemm_config(n: int, k: int, device: torch.device, norm: bool = False) -
     2.01 and 2.78 TB/s alone), two or three stages and 64 x 64 tiles slower, and a program per SM faster in the
     step than two. Computed once per shape: an eager call's host time is its cost.
 
-    With the norm folded in (``norm``), up to 512 of K a tile, so that a program's first tile, loaded before the PDL
-    wait, is most or all of its slice and streams while the norm's prologue reads the rows: on the q/k/v projection
-    of a B=16 step (64 x 512, 4 warps, its whole slice) a step 16-19 µs shorter than cuBLAS with the norm and RoPE
-    launches, where 64 x 128 tiles made it 44-47 µs longer and 8 warps 49 µs (H100,
-    ``probes/session_qkv_rows_gemm_b16.py``, entry 68)."""
+    With the norm folded in (``norm``) a program's K slice is one tile (or whole tiles of it, where its width is not
+    a power of two of 128s), the first loaded before the PDL wait, so that it streams while the norm's prologue reads
+    the rows: the fewest slices of at most 1024 of K (8 warps at 1024) that give at least half the SMs a program.
+    On the q/k/v projection of a B=16 step (H100,
+    ``probes/session_qkv_rows_gemm_b16.py`` and ``session_rows_gemm_splits_b16.py``, entries 68 and 71), against
+    cuBLAS with the norm's and RoPE's launches: 2 slices of 64 x 1024 (96 programs) 8 µs shorter than 4 of 64 x 512,
+    which were 16-19 µs shorter than cuBLAS; 64 x 128 tiles 44-47 µs longer, 8 slices of 64 x 256 67 µs longer
+    than 4."""
     block_n, block_k = BLOCK_N, 128
     blocks, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     splits = [s for s in range(1, steps + 1) if steps % s == 0]
-    split_k = next((s for s in splits if blocks * s >= num_sms(device)), splits[-1])
     if norm:
-        tiles_per_split = steps // split_k
-        block_k *= next(t for t in (4, 2, 1) if tiles_per_split % t == 0)  # whole tiles of each slice
+        wanted = max(1, num_sms(device) // 2)
+        split_k = next((s for s in splits if blocks * s >= wanted and steps // s <= 8), splits[-1])
+        tiles = steps // split_k
+        block_k *= next(t for t in (8, 4, 2, 1) if tiles % t == 0)  # whole tiles of the slice, a power of two
+        return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=8 if block_k >= 1024 else 4)
+    split_k = next((s for s in splits if blocks * s >= num_sms(device)), splits[-1])
     return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4)
 
 
