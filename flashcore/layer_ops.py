@@ -197,7 +197,12 @@ def gemv(
     bias, residual = _check_projection(x, "x", weight, bias, residual)
     if norm_weight is not None:
         _check_norm_weight(x, norm_weight, eps)
-    cos, sin, rotated = _check_rotary(x, weight.shape[0], cos, sin, rotated)
+    head_dim, rotated = _check_rotary(x, 1, weight.shape[0], cos, sin, rotated, whole=1)
+    if cos is not None and not gemv_can_rotate(head_dim):
+        raise ValueError(
+            f"the GEMV rotates heads whose D is a multiple of {gemv_kernels.BLOCK_N}, got D = {head_dim}; "
+            f"apply_rotary_embedding takes any even D"
+        )
     if torch.compiler.is_compiling():
         out = row.new_empty(weight.shape[:1])
         torch.ops.flashcore.gemv(row, weight, bias, residual, norm_weight, float(eps), cos, sin, rotated, out)
@@ -309,7 +314,15 @@ def rows_gemm(
         if up is not None:
             raise ValueError("rows_gemm takes up (a SwiGLU's down projection) or norm_weight, not both")
         _check_norm_weight(x, norm_weight, eps)
-    cos_rows, sin_rows, rotated = _check_row_rotary(x, rows, weight.shape[0], cos, sin, rotated)
+    head_dim, rotated = _check_rotary(x, rows, weight.shape[0], cos, sin, rotated, rows_gemm_kernels.BLOCK_N)
+    cos_rows = sin_rows = None
+    if cos is not None:
+        try:
+            cos_rows, sin_rows = cos.view(rows, head_dim), sin.view(rows, head_dim)
+        except RuntimeError:
+            raise ValueError(
+                f"cos and sin must hold their rows at one stride, got strides {cos.stride()}; pass .contiguous()"
+            ) from None
     x_rows = x.reshape(rows, k)
     up_rows = up.reshape(rows, k) if up is not None else None
     residual_rows = residual.view(rows, weight.shape[0]) if residual is not None else None
@@ -341,13 +354,20 @@ def _check_norm_weight(x: torch.Tensor, norm_weight: torch.Tensor, eps: float) -
         raise ValueError(f"eps must be >= 0, got {eps!r}")
 
 
-def _check_row_rotary(
-    x: torch.Tensor, rows: int, n: int, cos: torch.Tensor | None, sin: torch.Tensor | None, rotated: int | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-    """Checks :func:`rows_gemm`'s rotary embedding; returns ``cos`` and ``sin`` as ``[rows, D]`` views and
-    ``rotated`` as an int (0 without them)."""
+def _check_rotary(
+    x: torch.Tensor,
+    rows: int,
+    n: int,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    rotated: int | None,
+    whole: int,
+) -> tuple[int, int]:
+    """Checks a projection's rotary embedding, the GEMV's (``rows`` 1) or the few-row GEMM's: ``cos`` and ``sin``
+    hold one row of D per row of ``x``, with the same shape and strides; ``rotated`` covers whole heads and whole
+    kernel programs of ``whole`` outputs. Returns ``(D, rotated)``, ``(0, 0)`` without them."""
     if cos is None and sin is None:
-        return None, None, 0
+        return 0, 0
     if cos is None or sin is None:
         raise ValueError("pass both cos and sin for the rotary embedding, or neither")
     head_dim = cos.shape[-1] if isinstance(cos, torch.Tensor) and cos.dim() > 0 else 0
@@ -366,49 +386,14 @@ def _check_row_rotary(
     if head_dim % 2:
         raise ValueError(f"the rotary embedding pairs halves of D: D must be even, got {head_dim}")
     _check_like(x, "x", cos=cos, sin=sin)
-    try:
-        cos_rows, sin_rows = cos.view(rows, head_dim), sin.view(rows, head_dim)
-    except RuntimeError:
-        raise ValueError(
-            f"cos and sin must hold their rows at one stride, got strides {cos.stride()}; pass .contiguous()"
-        ) from None
     rotated = n if rotated is None else rotated
-    if not (
-        isinstance(rotated, int) and 0 < rotated <= n and rotated % head_dim == 0 and rows_gemm_can_rotate(rotated)
-    ):
+    if not (isinstance(rotated, int) and 0 < rotated <= n and rotated % head_dim == 0 and rotated % whole == 0):
+        multiple = f"D = {head_dim}" if whole == 1 else f"D = {head_dim} and of {whole}"
         raise ValueError(
-            f"rotated must be a multiple of D = {head_dim} and of {rows_gemm_kernels.BLOCK_N} in (0, N = {n}] or "
-            f"None, got {rotated!r}; apply_rotary_embedding takes any heads"
+            f"rotated must be a multiple of {multiple} in (0, N = {n}] or None, got {rotated!r}; "
+            f"apply_rotary_embedding takes any heads"
         )
-    return cos_rows, sin_rows, rotated
-
-
-def _check_rotary(
-    x: torch.Tensor, n: int, cos: torch.Tensor | None, sin: torch.Tensor | None, rotated: int | None
-) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
-    """Checks the GEMV's rotary embedding; returns ``cos`` and ``sin`` as given (a view of them would be one more
-    buffer per layer under ``torch.compile``) and ``rotated`` as an int (0 without them)."""
-    if cos is None and sin is None:
-        return None, None, 0
-    if cos is None or sin is None:
-        raise ValueError("pass both cos and sin for the rotary embedding, or neither")
-    for name, tensor in (("cos", cos), ("sin", sin)):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or tensor.numel() != tensor.shape[-1]:
-            shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-            raise ValueError(f"{name} must be [..., D] holding one row (one token's position), got {shape}")
-    head_dim = cos.shape[-1]
-    if sin.shape[-1] != head_dim:
-        raise ValueError(f"sin must have cos's D = {head_dim}, got shape {tuple(sin.shape)}")
-    if not gemv_can_rotate(head_dim):
-        raise ValueError(
-            f"the GEMV rotates heads whose D is a multiple of {gemv_kernels.BLOCK_N}, got D = {head_dim}; "
-            f"apply_rotary_embedding takes any even D"
-        )
-    rotated = n if rotated is None else rotated
-    if not (isinstance(rotated, int) and 0 < rotated <= n and rotated % head_dim == 0):
-        raise ValueError(f"rotated must be a multiple of D = {head_dim} in (0, N = {n}] or None, got {rotated!r}")
-    _check_like(x, "x", cos=cos, sin=sin)
-    return cos, sin, rotated
+    return head_dim, rotated
 
 
 def _check_one_row(x: torch.Tensor, name: str) -> None:
@@ -590,6 +575,11 @@ def _rows_gemm_op(
 ) -> None:
     operands = dict(up=up, residual=residual, norm_weight=norm_weight, cos=cos, sin=sin, out=out)
     _check_like(x, "x", weight=weight, **{name: t for name, t in operands.items() if t is not None})
+    # The kernel reads sin at cos's row stride and writes out densely; flexible_layout leaves both to inductor.
+    if cos is not None and sin.stride() != cos.stride():
+        raise ValueError(f"sin must have cos's strides {cos.stride()}, got {sin.stride()}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {out.stride()}")
     with on_device_of(x):
         rows_gemm_kernels.rows_gemm_triton(
             x, weight, bias, up=up, residual=residual, norm_weight=norm_weight, eps=eps, cos=cos, sin=sin,

@@ -8,10 +8,11 @@ process, the variants alternating over ``--rounds`` rounds:
 
 - ``cublas_qkv`` / ``cublas_qkv_compiled``: the fold off (the fork's ``_rows_gemm_rotates`` answering False while the
   session is built and captured), as before;
-- ``rows_gemm_qkv`` / ``rows_gemm_qkv_compiled``: as shipped (64 x 512 tiles with the norm, entry 68); ``_compiled``
-  with ``compile=True``;
+- ``rows_gemm_qkv`` / ``rows_gemm_qkv_compiled``: as shipped (at b793f9d 4 K slices of one 64 x 512 tile, entry 68;
+  since entry 71 2 slices of one 64 x 1024 tile); ``_compiled`` with ``compile=True``;
 - ``rows_gemm_qkv_k128`` / ``..._k512_w8``: the q/k/v shape's tiles 64 x 128 at 4 warps (before entry 68) or 64 x
-  512 at 8 warps (``rows_gemm.rows_gemm_config`` replaced for that shape);
+  512 at 8 warps, in the shipped config's K slices (``rows_gemm.rows_gemm_config``'s tile width and warps replaced
+  for that shape);
 - ``rows_gemm_qkv_norm_apart``, ``..._norm_apart_k512``: the RoPE inside, the norm a launch of its own as before (the
   integration's ``runs_kernel_norm`` answering False), with 64 x 128 or 64 x 512 tiles, to part the norm's
   prologue from the rest.
