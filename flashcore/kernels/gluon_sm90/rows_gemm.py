@@ -1,0 +1,220 @@
+"""A few-row GEMM on TMA copies, ``out = x @ weight.T (+ bias) (+ residual)`` for up to 16 rows (sm_90, Gluon).
+
+The Triton few-row GEMM (``kernels/triton/rows_gemm.py``) loads its weight tiles into registers, one tile in flight
+per program: at 16 rows a projection is a weight stream, and how many bytes an SM has in flight sets how fast it
+streams. Here each program keeps a ring of ``NUM_STAGES`` weight tiles in shared memory, filled by TMA copies:
+the first ``NUM_STAGES`` go out before the PDL wait, while the kernel before still runs, and each stage is filled
+again as soon as its MMA has read it. The registers hold only the accumulator, so the next kernel's programs can
+start on an SM while this one's still run.
+
+- Each program computes ``out.T`` for ``BLOCK_N`` weight rows (the MMA's M side) and the 16 rows (its N side; TMA
+  fills rows past ``M`` with zeros), over one slice of K in ``BLOCK_K`` tiles.
+- Split K, the epilogue's roundings and the ticket that makes the sum's order fixed are the Triton kernel's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from flashcore.kernels.configs import num_sms
+from flashcore.kernels.gluon_sm90 import common
+from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
+from flashcore.kernels.scratch import scratch_buffer
+
+MAX_ROWS = 16
+BLOCK_N = 64  # weight rows per program: one warpgroup's MMA
+BLOCK_K = 128  # K per tile: 16 KB of bf16 weight
+
+if common.HAS_GLUON:
+    from flashcore.kernels.gluon_sm90.common import gl, gluon, mbarrier, tma_load, warpgroup_mma, warpgroup_mma_wait
+
+    @gluon.jit
+    def _wait_for_previous_grid():
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _launch_dependents():
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+
+    @gluon.jit
+    def _tma_rows_gemm_kernel(
+        out_ptr,  # [M, N], contiguous (a tensor first: CachedLauncher reads the device off it)
+        w_desc,  # TMA descriptor over weight [N, K], [BLOCK_N, BLOCK_K] boxes
+        x_desc,  # TMA descriptor over x [M, K], [MAX_ROWS, BLOCK_K] boxes
+        bias_ptr,  # [N]; read only when HAS_BIAS
+        residual_ptr,  # [M, N], unit stride along N; read only when HAS_RESIDUAL
+        partial_ptr,  # [SPLIT_K, MAX_ROWS, N] fp32; used only when SPLIT_K > 1
+        tickets_ptr,  # [cdiv(N, BLOCK_N)] int32, zero between launches; used only when SPLIT_K > 1
+        m,
+        n,
+        stride_residual_m,
+        tiles_per_split,
+        SPLIT_K: gl.constexpr,
+        NUM_STAGES: gl.constexpr,
+        HAS_BIAS: gl.constexpr,
+        HAS_RESIDUAL: gl.constexpr,
+        USE_PDL: gl.constexpr,
+    ):
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        block = gl.program_id(0)
+        split = gl.program_id(1)
+        row0 = block * BLOCK_N
+        k0 = split * tiles_per_split * BLOCK_K
+        w_tiles = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        x_tiles = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(stage), count=1)
+        stage_bytes: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
+
+        # The first stages' weight tiles, while the kernel before may still run; x after the wait.
+        for stage in gl.static_range(NUM_STAGES):
+            if stage < tiles_per_split:
+                mbarrier.expect(ready.index(stage), stage_bytes)
+                tma_load(w_desc, [row0, k0 + stage * BLOCK_K], ready.index(stage), w_tiles.index(stage))
+        if USE_PDL:
+            _wait_for_previous_grid()
+            _launch_dependents()
+        for stage in gl.static_range(NUM_STAGES):
+            if stage < tiles_per_split:
+                tma_load(x_desc, [0, k0 + stage * BLOCK_K], ready.index(stage), x_tiles.index(stage))
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
+        )
+        acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+        for i in range(tiles_per_split):
+            stage = i % NUM_STAGES
+            mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
+            acc = warpgroup_mma(w_tiles.index(stage), x_tiles.index(stage).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            refill = i + NUM_STAGES
+            if refill < tiles_per_split:
+                mbarrier.expect(ready.index(stage), stage_bytes)
+                tma_load(w_desc, [row0, k0 + refill * BLOCK_K], ready.index(stage), w_tiles.index(stage))
+                tma_load(x_desc, [0, k0 + refill * BLOCK_K], ready.index(stage), x_tiles.index(stage))
+        for stage in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(ready.index(stage))
+
+        offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+        mask_n, mask_m = offs_n < n, offs_m < m
+        mask = mask_n[:, None] & mask_m[None, :]
+        tile = offs_m[None, :] * n + offs_n[:, None]  # out.T's tile in out (and in one split's partial)
+        if SPLIT_K > 1:
+            gl.store(partial_ptr + split * BLOCK_M * n + tile, acc, mask=mask)
+            # As the Triton kernel: every warp's partial stores before the ticket; the last taker adds in K order.
+            common.partition_barrier()
+            if gl.atomic_add(tickets_ptr + block, 1, sem="acq_rel") == SPLIT_K - 1:
+                acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+                for s in gl.static_range(SPLIT_K):
+                    acc += gl.load(partial_ptr + s * BLOCK_M * n + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_output(acc, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask,
+                              stride_residual_m, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+                gl.atomic_xchg(tickets_ptr + block, 0)
+        else:
+            _store_output(acc, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask,
+                          stride_residual_m, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+
+    @gluon.jit
+    def _store_output(
+        total, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, stride_residual_m,
+        HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+    ):  # fmt: skip
+        """The Triton kernel's epilogue: plus the bias in fp32, rounded; plus the residual, rounded again."""
+        if HAS_BIAS:
+            total += gl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(gl.float32)[:, None]
+        out = total.to(out_ptr.dtype.element_ty)
+        if HAS_RESIDUAL:
+            residual = gl.load(residual_ptr + offs_m[None, :] * stride_residual_m + offs_n[:, None], mask=mask)
+            out = (out.to(gl.float32) + residual.to(gl.float32)).to(out_ptr.dtype.element_ty)
+        gl.store(out_ptr + tile, out, mask=mask)
+
+    _launch_tma_rows_gemm = CachedLauncher(_tma_rows_gemm_kernel)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel takes ``x @ weight.T``: sm_90, bf16 or fp16, both K-contiguous and 16-byte aligned, K a
+    multiple of ``BLOCK_K``, at most 16 rows."""
+    return (
+        common.runs_on(x.device)
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and x.shape[1] % BLOCK_K == 0
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+        and (x.stride(0) * x.element_size()) % 16 == 0
+        and (weight.stride(0) * weight.element_size()) % 16 == 0
+        and x.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+    )
+
+
+@functools.cache
+def tma_rows_gemm_config(n: int, k: int, device: torch.device) -> dict:
+    """``split_k`` and ``num_stages`` for an ``[n, k]`` weight: the fewest K slices that give every SM a program,
+    and a ring of up to 4 tiles."""
+    blocks, tiles = triton.cdiv(n, BLOCK_N), k // BLOCK_K
+    splits = [s for s in range(1, tiles + 1) if tiles % s == 0]
+    split_k = next((s for s in splits if blocks * s >= num_sms(device)), splits[-1])
+    return dict(split_k=split_k, num_stages=min(4, tiles // split_k))
+
+
+@functools.cache
+def _shared_layout(dtype: torch.dtype, rows: int):
+    return common.gl.NVMMASharedLayout.get_default_for(
+        [rows, BLOCK_K], common.gl.bfloat16 if dtype == torch.bfloat16 else common.gl.float16
+    )
+
+
+def tma_rows_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    split_k: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """``x`` ``[M, K]``, ``weight`` ``[N, K]`` (:func:`supports`), ``bias`` ``[N]`` or None, ``residual`` ``[M, N]``
+    with unit stride along N or None; returns ``out`` (``[M, N]`` contiguous, a new one if None)."""
+    (m, k), n = x.shape, weight.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    config = tma_rows_gemm_config(n, k, x.device)
+    split_k = split_k or config["split_k"]
+    num_stages = num_stages or config["num_stages"]
+    tiles_per_split = k // BLOCK_K // split_k
+    blocks = triton.cdiv(n, BLOCK_N)
+    partial, tickets = out, out
+    if split_k > 1:
+        partial = scratch_buffer("rows_gemm_partials", split_k * MAX_ROWS * n, torch.float32, x.device)
+        tickets = scratch_buffer("rows_gemm_tickets", blocks, torch.int32, x.device)
+    w_desc = common.TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], _shared_layout(x.dtype, BLOCK_N))
+    x_desc = common.TensorDescriptor.from_tensor(x, [MAX_ROWS, BLOCK_K], _shared_layout(x.dtype, MAX_ROWS))
+    use_pdl = uses_programmatic_launch(x.device)
+    _launch_tma_rows_gemm(
+        (blocks, split_k, 1),
+        (
+            out, w_desc, x_desc, bias if bias is not None else out, residual if residual is not None else out,
+            partial, tickets, m, n, residual.stride(0) if residual is not None else 0, tiles_per_split,
+        ),
+        dict(
+            SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), HAS_BIAS=bias is not None,
+            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
+        ),
+        num_warps=4,
+        num_stages=1,
+        launch_pdl=use_pdl,
+    )  # fmt: skip
+    return out
