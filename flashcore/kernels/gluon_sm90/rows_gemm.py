@@ -91,15 +91,15 @@ if common.HAS_GLUON:
         )
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         for i in range(tiles_per_split):
-            stage = i % NUM_STAGES
-            mbarrier.wait(ready.index(stage), (i // NUM_STAGES) & 1)
-            acc = warpgroup_mma(w_tiles.index(stage), x_tiles.index(stage).permute((1, 0)), acc, is_async=True)
+            slot = i % NUM_STAGES
+            mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
+            acc = warpgroup_mma(w_tiles.index(slot), x_tiles.index(slot).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
             refill = i + NUM_STAGES
             if refill < tiles_per_split:
-                mbarrier.expect(ready.index(stage), stage_bytes)
-                tma_load(w_desc, [row0, k0 + refill * BLOCK_K], ready.index(stage), w_tiles.index(stage))
-                tma_load(x_desc, [0, k0 + refill * BLOCK_K], ready.index(stage), x_tiles.index(stage))
+                mbarrier.expect(ready.index(slot), slot_bytes)
+                tma_load(w_desc, [row0, k0 + refill * BLOCK_K], ready.index(slot), w_tiles.index(slot))
+                tma_load(x_desc, [0, k0 + refill * BLOCK_K], ready.index(slot), x_tiles.index(slot))
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(stage))
 
