@@ -97,7 +97,7 @@ if common.HAS_GLUON:
             acc = warpgroup_mma_wait(0, deps=[acc])
             refill = i + NUM_STAGES
             if refill < tiles_per_split:
-                mbarrier.expect(ready.index(slot), slot_bytes)
+                mbarrier.expect(ready.index(slot), stage_bytes)
                 tma_load(w_desc, [row0, k0 + refill * BLOCK_K], ready.index(slot), w_tiles.index(slot))
                 tma_load(x_desc, [0, k0 + refill * BLOCK_K], ready.index(slot), x_tiles.index(slot))
         for stage in gl.static_range(NUM_STAGES):
