@@ -13,7 +13,11 @@ and ring depth:
   ``session_rows_gemm_b16``) and there on the Gluon kernel;
 - ``gate_up_s1_st2``, ``gate_up_s1_st4``: the fused gate/up projection on the few-row GEMM (as in
   ``session_wide_tiles_b16``) and there on the Gluon kernel;
-- ``all_s1``: the three, each at its first variant's ring.
+- ``all_s1``: the three, each at its first variant's ring;
+- ``swiglu_*``: the fused gate/up projection on the Gluon kernel with the SiLU-and-mul in its epilogue (each
+  program the gate's and the up's rows of the same outputs), so that the down projection is a plain GEMM with the
+  residual: on the Triton few-row GEMM (``_down_triton``) or the Gluon kernel at the named split and ring;
+- ``o_swiglu_down``: the o projection too.
 
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``shipped``'s (other
 summation orders: they may part at a near-tie).
@@ -30,15 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
-from session_rows_gemm_b16 import with_o_projection  # noqa: E402
 from session_wide_tiles_b16 import with_gate_up  # noqa: E402
 
+from flashcore import layer_ops  # noqa: E402
 from flashcore.integrations import llama_forward_fork as fork  # noqa: E402
 from flashcore.kernels.gluon_sm90 import rows_gemm as tma  # noqa: E402
 from flashcore.kernels.triton import rows_gemm as rows_gemm_kernels  # noqa: E402
 
-HEAD, O_PROJ, GATE_UP = (128256, 2048), (2048, 2048), (16384, 2048)  # bench_generate's model, fused gate/up
-VARIANTS = {  # name: ({shape: (split_k, num_stages)},)
+HEAD, O_PROJ, GATE_UP, DOWN = (128256, 2048), (2048, 2048), (16384, 2048), (2048, 8192)  # bench_generate's model
+SWIGLU = "swiglu"  # gate/up on the Gluon kernel with the SiLU-and-mul in its epilogue, at this (split_k, num_stages)
+VARIANTS = {  # name: ({shape or SWIGLU: (split_k, num_stages)},)
     "shipped": ({},),
     "head_s1_st6": ({HEAD: (1, 6)},),
     "o_s1_st6": ({O_PROJ: (1, 6)},),
@@ -46,6 +51,12 @@ VARIANTS = {  # name: ({shape: (split_k, num_stages)},)
     "gate_up_s1_st2": ({GATE_UP: (1, 2)},),
     "gate_up_s1_st4": ({GATE_UP: (1, 4)},),
     "all_s1": ({HEAD: (1, 6), O_PROJ: (1, 6), GATE_UP: (1, 2)},),
+    "swiglu_s1_st2_down_triton": ({SWIGLU: (1, 2)},),
+    "swiglu_s1_st2_down_s2_st6": ({SWIGLU: (1, 2), DOWN: (2, 6)},),
+    "swiglu_s1_st2_down_s4_st4": ({SWIGLU: (1, 2), DOWN: (4, 4)},),
+    "swiglu_s1_st2_down_s4_st6": ({SWIGLU: (1, 2), DOWN: (4, 6)},),
+    "swiglu_s2_st2_down_s4_st4": ({SWIGLU: (2, 2), DOWN: (4, 4)},),
+    "o_swiglu_down": ({O_PROJ: (1, 6), SWIGLU: (1, 2), DOWN: (4, 4)},),
 }
 
 
@@ -66,6 +77,36 @@ def with_tma(rows_gemm_triton, configs: dict):
     return wrapped
 
 
+def with_swiglu(project, split_k: int, num_stages: int):
+    """The fork's ``_project``, with the fused gate/up projection and the SiLU-and-mul after it in one launch of the
+    Gluon kernel at 2 to 16 rows: it returns ``((silu_and_mul(gate, up), None), False)``."""
+
+    def wrapped(module, x, names, norm=None, rotary=None):
+        fused = module.__dict__.get("_fused_projection")
+        if names == ("gate_proj", "up_proj") and fused is not None and norm is None and fork._runs_rows_gemm(module, x):
+            x_rows = x.reshape(-1, x.shape[-1])
+            act = tma.tma_rows_gemm(
+                x_rows, fused.weight, fused.bias, swiglu=True, split_k=split_k, num_stages=num_stages
+            )
+            return (act.view(*x.shape[:-1], -1), None), False
+        return project(module, x, names, norm=norm, rotary=rotary)
+
+    return wrapped
+
+
+def with_plain_projection(project_residual, names: tuple[str, ...]):
+    """The fork's ``_project_residual``, with ``names``' projections (no ``up``) on the few-row GEMM with the
+    residual inside."""
+
+    def wrapped(module, x, name, residual, up=None):
+        linear = getattr(module, name)
+        if name in names and up is None and fork._runs_rows_gemm(module, x) and fork._is_plain_linear(linear):
+            return layer_ops.rows_gemm(x, linear.weight, linear.bias, residual=residual)
+        return project_residual(module, x, name, residual, up=up)
+
+    return wrapped
+
+
 def timed_session(model, input_ids, configs: dict) -> dict:
     rows_gemm_triton, project, project_residual = (
         rows_gemm_kernels.rows_gemm_triton,
@@ -73,10 +114,12 @@ def timed_session(model, input_ids, configs: dict) -> dict:
         fork._project_residual,
     )
     rows_gemm_kernels.rows_gemm_triton = with_tma(rows_gemm_triton, configs)
-    if O_PROJ in configs:
-        fork._project_residual = with_o_projection(project_residual)
+    plain = (("o_proj",) if O_PROJ in configs else ()) + (("down_proj",) if SWIGLU in configs else ())
+    fork._project_residual = with_plain_projection(project_residual, plain)
     if GATE_UP in configs:
         fork._project = with_gate_up(project)
+    if SWIGLU in configs:
+        fork._project = with_swiglu(project, *configs[SWIGLU])
     try:
         return harness.session_steps(model, input_ids, fuse_projections=True, layer_kernels=True)
     finally:

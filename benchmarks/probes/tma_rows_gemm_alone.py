@@ -3,7 +3,8 @@ Triton few-row GEMM, on the projections of ``bench_generate``'s model at 16 rows
 
 Each program of the Gluon kernel keeps a ring of weight tiles in shared memory, filled by TMA copies; the Triton
 kernel holds one tile in registers. Per shape (q/k/v fused, o, gate/up fused, down, LM head): the error of each
-kernel against the fp32 product (rounded to bf16), then ``triton.testing.do_bench`` medians (L2 flushed between
+kernel against the fp32 product (rounded to bf16; on gate/up also with the SiLU-and-mul in the Gluon kernel's
+epilogue, against it on the rounded gate and up), then ``triton.testing.do_bench`` medians (L2 flushed between
 runs) of ``torch.nn.functional.linear``, the Triton kernel and the Gluon kernel at each K split and ring depth in
 ``--splits`` x ``--stages``, with TB/s of the weight's bytes.
 
@@ -67,10 +68,19 @@ def measure_shape(name: str, n: int, k: int, rows: int, splits: list[int], stage
             calls[f"tma_s{split}_st{depth}"] = functools.partial(
                 tma.tma_rows_gemm, x, w, None, split_k=split, num_stages=depth
             )
+    if name == "gate_up":  # and with the SiLU-and-mul in the epilogue, against it on the rounded gate and up
+        gate, up = reference.to(torch.bfloat16).chunk(2, dim=-1)
+        act = (torch.nn.functional.silu(gate.float()).to(torch.bfloat16).float() * up.float()).to(torch.bfloat16)
+        for split, depth in ((1, 2), (1, 3), (2, 2), (2, 3)):
+            out = tma.tma_rows_gemm(x, w, None, swiglu=True, split_k=split, num_stages=depth)
+            row[f"err_tma_swiglu_s{split}_st{depth}"] = (out.float() - act.float()).abs().max().item()
+            calls[f"tma_swiglu_s{split}_st{depth}"] = functools.partial(
+                tma.tma_rows_gemm, x, w, None, swiglu=True, split_k=split, num_stages=depth
+            )
     timings = {key: triton.testing.do_bench(call, return_mode="median") for key, call in calls.items()}
     row["us"] = {key: round(ms * 1e3, 2) for key, ms in timings.items()}
     row["tb_per_s"] = {key: round(gbytes / (ms * 1e-3) / 1e3, 3) for key, ms in timings.items()}
-    row["best_tma"] = min((key for key in timings if key.startswith("tma")), key=timings.get)
+    row["best_tma"] = min((key for key in timings if key.startswith("tma_s")), key=timings.get)
     return row
 
 
@@ -87,7 +97,8 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         row = measure_shape(name, n, k, args.rows, splits, stages)
         best = row["best_tma"]
-        print(name, row["err_tma"], {key: row["us"][key] for key in ("cublas", "triton", best)}, flush=True)
+        print(name, {key: value for key, value in row.items() if key.startswith("err")}, flush=True)
+        print(name, {key: row["us"][key] for key in ("cublas", "triton", best)}, flush=True)
         results.append(row)
     payload = dict(environment=harness.environment(torch.device("cuda")), settings=vars(args), rows=results)
     Path(args.out).write_text(json.dumps(payload, indent=1))

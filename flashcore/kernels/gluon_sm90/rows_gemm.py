@@ -43,19 +43,20 @@ if common.HAS_GLUON:
 
     @gluon.jit
     def _tma_rows_gemm_kernel(
-        out_ptr,  # [M, N], contiguous (a tensor first: CachedLauncher reads the device off it)
+        out_ptr,  # [M, N_out], contiguous (a tensor first: CachedLauncher reads the device off it)
         w_desc,  # TMA descriptor over weight [N, K], [BLOCK_N, BLOCK_K] boxes
         x_desc,  # TMA descriptor over x [M, K], [MAX_ROWS, BLOCK_K] boxes
         bias_ptr,  # [N]; read only when HAS_BIAS
-        residual_ptr,  # [M, N], unit stride along N; read only when HAS_RESIDUAL
+        residual_ptr,  # [M, N_out], unit stride along N; read only when HAS_RESIDUAL
         partial_ptr,  # [SPLIT_K, MAX_ROWS, N] fp32; used only when SPLIT_K > 1
-        tickets_ptr,  # [cdiv(N, BLOCK_N)] int32, zero between launches; used only when SPLIT_K > 1
+        tickets_ptr,  # [cdiv(N_out, BLOCK_N)] int32, zero between launches; used only when SPLIT_K > 1
         m,
-        n,
+        n_out,  # N, or N / 2 with SWIGLU
         stride_residual_m,
         tiles_per_split,
         SPLIT_K: gl.constexpr,
         NUM_STAGES: gl.constexpr,
+        SWIGLU: gl.constexpr,  # weight rows [0, N_out) are the gate's, [N_out, N) the up's; out = silu_and_mul
         HAS_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
@@ -63,22 +64,26 @@ if common.HAS_GLUON:
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        UP_STAGES: gl.constexpr = NUM_STAGES if SWIGLU else 1
         block = gl.program_id(0)
         split = gl.program_id(1)
         row0 = block * BLOCK_N
         k0 = split * tiles_per_split * BLOCK_K
         w_tiles = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        u_tiles = gl.allocate_shared_memory(w_desc.dtype, [UP_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         x_tiles = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(stage), count=1)
-        stage_bytes: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
+        stage_bytes: gl.constexpr = (2 if SWIGLU else 1) * w_desc.block_type.nbytes + x_desc.block_type.nbytes
 
         # The first stages' weight tiles, while the kernel before may still run; x after the wait.
         for stage in gl.static_range(NUM_STAGES):
             if stage < tiles_per_split:
                 mbarrier.expect(ready.index(stage), stage_bytes)
                 tma_load(w_desc, [row0, k0 + stage * BLOCK_K], ready.index(stage), w_tiles.index(stage))
+                if SWIGLU:
+                    tma_load(w_desc, [n_out + row0, k0 + stage * BLOCK_K], ready.index(stage), u_tiles.index(stage))
         if USE_PDL:
             _wait_for_previous_grid()
             _launch_dependents()
@@ -90,48 +95,77 @@ if common.HAS_GLUON:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
         )
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+        acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         for i in range(tiles_per_split):
             slot = i % NUM_STAGES
             mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
-            acc = warpgroup_mma(w_tiles.index(slot), x_tiles.index(slot).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
+            x_tile = x_tiles.index(slot).permute((1, 0))
+            acc = warpgroup_mma(w_tiles.index(slot), x_tile, acc, is_async=True)
+            if SWIGLU:
+                acc_up = warpgroup_mma(u_tiles.index(slot), x_tile, acc_up, is_async=True)
+                acc, acc_up = warpgroup_mma_wait(0, deps=[acc, acc_up])
+            else:
+                acc = warpgroup_mma_wait(0, deps=[acc])
             refill = i + NUM_STAGES
             if refill < tiles_per_split:
                 mbarrier.expect(ready.index(slot), stage_bytes)
                 tma_load(w_desc, [row0, k0 + refill * BLOCK_K], ready.index(slot), w_tiles.index(slot))
+                if SWIGLU:
+                    tma_load(w_desc, [n_out + row0, k0 + refill * BLOCK_K], ready.index(slot), u_tiles.index(slot))
                 tma_load(x_desc, [0, k0 + refill * BLOCK_K], ready.index(slot), x_tiles.index(slot))
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(stage))
 
         offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-        mask_n, mask_m = offs_n < n, offs_m < m
+        mask_n, mask_m = offs_n < n_out, offs_m < m
         mask = mask_n[:, None] & mask_m[None, :]
-        tile = offs_m[None, :] * n + offs_n[:, None]  # out.T's tile in out (and in one split's partial)
+        tile = offs_m[None, :] * n_out + offs_n[:, None]  # out.T's tile in out
         if SPLIT_K > 1:
-            gl.store(partial_ptr + split * BLOCK_M * n + tile, acc, mask=mask)
+            n = n_out * (2 if SWIGLU else 1)
+            partial_tile = offs_m[None, :] * n + offs_n[:, None]  # and in one split's partial
+            gl.store(partial_ptr + split * BLOCK_M * n + partial_tile, acc, mask=mask)
+            if SWIGLU:
+                gl.store(partial_ptr + split * BLOCK_M * n + n_out + partial_tile, acc_up, mask=mask)
             # As the Triton kernel: every warp's partial stores before the ticket; the last taker adds in K order.
             common.partition_barrier()
             if gl.atomic_add(tickets_ptr + block, 1, sem="acq_rel") == SPLIT_K - 1:
                 acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+                acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
                 for s in gl.static_range(SPLIT_K):
-                    acc += gl.load(partial_ptr + s * BLOCK_M * n + tile, mask=mask, other=0.0, cache_modifier=".cg")
-                _store_output(acc, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask,
-                              stride_residual_m, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+                    split_tile = partial_ptr + s * BLOCK_M * n + partial_tile
+                    acc += gl.load(split_tile, mask=mask, other=0.0, cache_modifier=".cg")
+                    if SWIGLU:
+                        acc_up += gl.load(split_tile + n_out, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
+                              stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
                 gl.atomic_xchg(tickets_ptr + block, 0)
         else:
-            _store_output(acc, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask,
-                          stride_residual_m, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+            _store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
+                          stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+
+    @gluon.jit
+    def _silu_and_mul(gate, up):
+        """``layer_kernels.silu_and_mul``, op for op (a Gluon kernel cannot call the @triton.jit one)."""
+        dtype = gate.dtype
+        gate = gate.to(gl.float32)
+        activated = (gate / (1.0 + gl.exp(-gate))).to(dtype).to(gl.float32)
+        return (activated * up.to(gl.float32)).to(dtype)
 
     @gluon.jit
     def _store_output(
-        total, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, stride_residual_m,
-        HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+        total, total_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
+        stride_residual_m, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
     ):  # fmt: skip
-        """The Triton kernel's epilogue: plus the bias in fp32, rounded; plus the residual, rounded again."""
+        """The Triton kernel's epilogue: plus the bias in fp32, rounded (with ``SWIGLU``, gate and up each, then
+        ``silu_and_mul`` of the two); plus the residual, rounded again."""
         if HAS_BIAS:
             total += gl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(gl.float32)[:, None]
+            if SWIGLU:
+                total_up += gl.load(bias_ptr + n_out + offs_n, mask=mask_n, other=0.0).to(gl.float32)[:, None]
         out = total.to(out_ptr.dtype.element_ty)
+        if SWIGLU:
+            out = _silu_and_mul(out, total_up.to(out_ptr.dtype.element_ty))
         if HAS_RESIDUAL:
             residual = gl.load(residual_ptr + offs_m[None, :] * stride_residual_m + offs_n[:, None], mask=mask)
             out = (out.to(gl.float32) + residual.to(gl.float32)).to(out_ptr.dtype.element_ty)
@@ -182,20 +216,24 @@ def tma_rows_gemm(
     bias: torch.Tensor | None,
     *,
     residual: torch.Tensor | None = None,
+    swiglu: bool = False,
     out: torch.Tensor | None = None,
     split_k: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, K]``, ``weight`` ``[N, K]`` (:func:`supports`), ``bias`` ``[N]`` or None, ``residual`` ``[M, N]``
-    with unit stride along N or None; returns ``out`` (``[M, N]`` contiguous, a new one if None)."""
+    with unit stride along N or None; returns ``out`` (``[M, N]`` contiguous, a new one if None). With ``swiglu``
+    the weight's rows are a gate's and an up projection's, stacked, and ``out`` (``[M, N / 2]``) is
+    ``silu_and_mul(gate, up)`` of the two products."""
     (m, k), n = x.shape, weight.shape[0]
+    n_out = n // 2 if swiglu else n
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    config = tma_rows_gemm_config(n, k, x.device)
+        out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    config = tma_rows_gemm_config(n_out, k, x.device)
     split_k = split_k or config["split_k"]
     num_stages = num_stages or config["num_stages"]
     tiles_per_split = k // BLOCK_K // split_k
-    blocks = triton.cdiv(n, BLOCK_N)
+    blocks = triton.cdiv(n_out, BLOCK_N)
     partial, tickets = out, out
     if split_k > 1:
         partial = scratch_buffer("rows_gemm_partials", split_k * MAX_ROWS * n, torch.float32, x.device)
@@ -207,10 +245,10 @@ def tma_rows_gemm(
         (blocks, split_k, 1),
         (
             out, w_desc, x_desc, bias if bias is not None else out, residual if residual is not None else out,
-            partial, tickets, m, n, residual.stride(0) if residual is not None else 0, tiles_per_split,
+            partial, tickets, m, n_out, residual.stride(0) if residual is not None else 0, tiles_per_split,
         ),
         dict(
-            SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), HAS_BIAS=bias is not None,
+            SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), SWIGLU=swiglu, HAS_BIAS=bias is not None,
             HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
         num_warps=4,
