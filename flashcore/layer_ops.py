@@ -25,13 +25,14 @@ from __future__ import annotations
 import torch
 
 from flashcore.backends import SUPPORTED_DTYPES, on_device_of, triton_interpreter_enabled
+from flashcore.kernels.gluon_sm90 import rows_gemm as tma_rows_gemm_kernels
 from flashcore.kernels.triton import gemv as gemv_kernels
 from flashcore.kernels.triton import layer_kernels
 from flashcore.kernels.triton import rows_gemm as rows_gemm_kernels
 
 __all__ = [
     "add_rms_norm", "apply_rotary_embedding", "gemv", "gemv_can_rotate", "rms_norm", "rows_gemm",
-    "rows_gemm_can_rotate", "silu_and_mul", "silu_and_mul_gemv", "ROWS_GEMM_MAX_ROWS",
+    "rows_gemm_can_rotate", "rows_gemm_streams", "silu_and_mul", "silu_and_mul_gemv", "ROWS_GEMM_MAX_ROWS",
 ]  # fmt: skip
 
 ROWS_GEMM_MAX_ROWS = rows_gemm_kernels.MAX_ROWS
@@ -265,11 +266,17 @@ def rows_gemm(
     cos: torch.Tensor | None = None,
     sin: torch.Tensor | None = None,
     rotated: int | None = None,
+    swiglu: bool = False,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for at most ``ROWS_GEMM_MAX_ROWS`` (16) rows of ``x``, on tensor cores: a decode
     step's projection at a batch of a few rows. With ``up``, of ``silu_and_mul(x, up)``: a SwiGLU MLP's down
     projection, without its input written and read back. With ``norm_weight`` and ``cos``/``sin``, of the RMSNorm of
-    ``x``, its first outputs rotated: the q/k/v projection between the layer's norm and its attention.
+    ``x``, its first outputs rotated: the q/k/v projection between the layer's norm and its attention. With
+    ``swiglu``, ``silu_and_mul(gate, up)`` of a fused gate/up projection's two halves, which are not written.
+
+    Plain calls (with ``residual`` or ``swiglu`` at most) run on the TMA kernel where :func:`rows_gemm_streams` (an
+    sm_90 GPU, fp16/bf16: ``flashcore/kernels/gluon_sm90/rows_gemm.py``), the rest on the Triton kernel; with
+    ``swiglu`` there, the GEMM and :func:`silu_and_mul` run one after the other.
 
     Args:
         x: ``[..., K]`` of 1 to 16 rows (the leading dims' product), unit stride along K, rows at one stride (a
@@ -291,11 +298,15 @@ def rows_gemm(
         sin: like ``cos``, with its strides; both or neither.
         rotated: a multiple of D and of 64 (:func:`rows_gemm_can_rotate`) in ``(0, N]``; None: N. Used only with
             ``cos``.
+        swiglu: the weight's rows (N even) are a gate projection's, then an up projection's: the output is
+            ``silu_and_mul(gate, up)`` of the two rounded products, ``[..., N / 2]``, with its roundings; the gate's
+            and up's outputs have the bits of the call without it. Not with ``up``, ``norm_weight``, ``cos`` or
+            ``residual``.
 
     Returns:
-        A new contiguous ``[..., N]`` tensor of ``x``'s dtype: the products summed in fp32 (in slices of K, the
-        slices added in K order), plus the bias, rounded once (then rotated, each product rounded; then plus the
-        residual, rounded).
+        A new contiguous ``[..., N]`` tensor (``[..., N / 2]`` with ``swiglu``) of ``x``'s dtype: the products summed
+        in fp32 (in slices of K, the slices added in K order), plus the bias, rounded once (then rotated, each
+        product rounded; then plus the residual, rounded).
     """
     _check_runs(x, "x")
     if x.dim() == 0 or not 0 < x.numel() // max(x.shape[-1], 1) <= ROWS_GEMM_MAX_ROWS:
@@ -314,6 +325,11 @@ def rows_gemm(
         if up is not None:
             raise ValueError("rows_gemm takes up (a SwiGLU's down projection) or norm_weight, not both")
         _check_norm_weight(x, norm_weight, eps)
+    if swiglu and (up is not None or norm_weight is not None or cos is not None or residual is not None):
+        raise ValueError("rows_gemm takes swiglu (a fused gate/up projection) alone: not with up, norm_weight, cos "
+                         "or residual")  # fmt: skip
+    if swiglu and weight.shape[0] % 2:
+        raise ValueError(f"swiglu needs a weight of gate and up rows, N even, got N = {weight.shape[0]}")
     head_dim, rotated = _check_rotary(x, rows, weight.shape[0], cos, sin, rotated, rows_gemm_kernels.BLOCK_N)
     cos_rows = sin_rows = None
     if cos is not None:
@@ -326,17 +342,40 @@ def rows_gemm(
     x_rows = x.reshape(rows, k)
     up_rows = up.reshape(rows, k) if up is not None else None
     residual_rows = residual.view(rows, weight.shape[0]) if residual is not None else None
+    n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    out = x_rows.new_empty(rows, n_out)
     if torch.compiler.is_compiling():
-        out = x_rows.new_empty(rows, weight.shape[0])
         torch.ops.flashcore.rows_gemm(
-            x_rows, up_rows, weight, bias, residual_rows, norm_weight, float(eps), cos_rows, sin_rows, rotated, out
-        )
-    else:
-        out = rows_gemm_kernels.rows_gemm_triton(
-            x_rows, weight, bias, up=up_rows, residual=residual_rows, norm_weight=norm_weight, eps=eps, cos=cos_rows,
-            sin=sin_rows, rotated=rotated,
+            x_rows, up_rows, weight, bias, residual_rows, norm_weight, float(eps), cos_rows, sin_rows, rotated, swiglu,
+            out,
         )  # fmt: skip
-    return out.view(*x.shape[:-1], weight.shape[0])
+    else:
+        _run_rows_gemm(x_rows, up_rows, weight, bias, residual_rows, norm_weight, eps, cos_rows, sin_rows, rotated,
+                       swiglu, out)  # fmt: skip
+    return out.view(*x.shape[:-1], n_out)
+
+
+def rows_gemm_streams(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> bool:
+    """Whether :func:`rows_gemm` runs ``x @ weight.T`` (``x`` of 1 to 16 rows) on the TMA kernel, whose weight
+    stream keeps more bytes in flight than the Triton kernel's: the model integration then gives it the o and gate/up
+    projections of a decode step of a few rows too (``benchmarks/NOTES.md``, entry 72)."""
+    return tma_rows_gemm_kernels.supports(x.reshape(-1, x.shape[-1]), weight, swiglu)
+
+
+def _run_rows_gemm(x, up, weight, bias, residual, norm_weight, eps, cos, sin, rotated, swiglu, out) -> None:
+    """:func:`rows_gemm`'s kernels, for ``[M, K]`` operands it validated: plain calls (``residual`` or ``swiglu`` at
+    most) on the TMA kernel where it takes them, the rest on the Triton kernel."""
+    plain = up is None and norm_weight is None and cos is None
+    if plain and tma_rows_gemm_kernels.supports(x, weight, swiglu):
+        tma_rows_gemm_kernels.tma_rows_gemm(x, weight, bias, residual=residual, swiglu=swiglu, out=out)
+    elif swiglu:
+        gate, up = rows_gemm_kernels.rows_gemm_triton(x, weight, bias).chunk(2, dim=-1)
+        out.copy_(layer_kernels.silu_and_mul_triton(gate, up))
+    else:
+        rows_gemm_kernels.rows_gemm_triton(
+            x, weight, bias, up=up, residual=residual, norm_weight=norm_weight, eps=eps, cos=cos, sin=sin,
+            rotated=rotated, out=out,
+        )  # fmt: skip
 
 
 def rows_gemm_can_rotate(rotated: int) -> bool:
@@ -571,6 +610,7 @@ def _rows_gemm_op(
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
     rotated: int,
+    swiglu: bool,
     out: torch.Tensor,
 ) -> None:
     operands = dict(up=up, residual=residual, norm_weight=norm_weight, cos=cos, sin=sin, out=out)
@@ -581,7 +621,4 @@ def _rows_gemm_op(
     if not out.is_contiguous():
         raise ValueError(f"out must be contiguous, got strides {out.stride()}")
     with on_device_of(x):
-        rows_gemm_kernels.rows_gemm_triton(
-            x, weight, bias, up=up, residual=residual, norm_weight=norm_weight, eps=eps, cos=cos, sin=sin,
-            rotated=rotated, out=out,
-        )  # fmt: skip
+        _run_rows_gemm(x, up, weight, bias, residual, norm_weight, eps, cos, sin, rotated, swiglu, out)

@@ -141,6 +141,17 @@ def mlp_forward(
 ) -> torch.Tensor:
     """``LlamaMLP.forward``; with ``norm`` and ``residual`` (from :func:`decoder_layer_forward`) it returns
     ``residual + mlp(norm(x))``."""
+    fused = self.__dict__.get("_fused_projection")
+    if (
+        norm is None
+        and fused is not None
+        and _runs_rows_gemm(self, x)
+        and layer_ops.rows_gemm_streams(x, fused.weight, swiglu=True)
+    ):
+        # The few-row GEMM's TMA kernel computes the SiLU-and-mul in its epilogue: the down projection is then a plain
+        # GEMM, with the residual add in its own epilogue (NOTES.md, entry 72).
+        activated = layer_ops.rows_gemm(x, fused.weight, fused.bias, swiglu=True)
+        return _project_residual(self, activated, "down_proj", residual)
     (gate, up), _ = _project(self, x, ("gate_proj", "up_proj"), norm)
     if not self.__dict__.get("_uses_layer_kernels"):
         return self.down_proj(self.act_fn(gate) * up)
@@ -198,13 +209,18 @@ def _project_residual(
     """``residual + module.<name>(x)`` (the projection alone without a residual); with ``up``, of
     ``silu_and_mul(x, up)``, the down projection. Where :func:`_project` would run the GEMV, the residual and the
     SiLU-and-mul run inside it; so they do in the down projection's few-row GEMM, at 2 to 16 rows with the layer
-    kernels (:func:`flashcore.layer_ops.rows_gemm`)."""
+    kernels (:func:`flashcore.layer_ops.rows_gemm`), which also takes the o projection and a down projection after
+    the SiLU-and-mul where its TMA kernel streams the weight (``rows_gemm_streams``)."""
     linear = getattr(module, name)
     if _runs_gemv(module, x) and _is_plain_linear(linear):
         if up is None:
             return layer_ops.gemv(x, linear.weight, linear.bias, residual=residual)
         return layer_ops.silu_and_mul_gemv(x, up, linear.weight, linear.bias, residual=residual)
-    if up is not None and _runs_rows_gemm(module, x) and _is_plain_linear(linear):
+    if (
+        _runs_rows_gemm(module, x)
+        and _is_plain_linear(linear)
+        and (up is not None or layer_ops.rows_gemm_streams(x, linear.weight))
+    ):
         return layer_ops.rows_gemm(x, linear.weight, linear.bias, up=up, residual=residual)
     out = linear(x if up is None else layer_ops.silu_and_mul(x, up))
     return out if residual is None else residual + out

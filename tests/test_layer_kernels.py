@@ -385,6 +385,51 @@ def test_rows_gemm_folds_the_swiglu_and_the_residual_add(n, k, rows, with_bias, 
     assert down_added.shape == (rows, 1, n) and down_added.dtype == dtype
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k, rows", [(200, 256, 16), (192, 4096, 5), (64, 2048, 2)])  # 4096: two K slices
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_rows_gemm_on_tma_matches_fp64_linear(n, k, rows, with_bias, dtype, device, generator):
+    """Operands the TMA kernel takes on an sm_90 GPU in fp16/bf16 (``rows_gemm_streams``; elsewhere the Triton
+    kernel runs them): against fp64 ``x @ weight.T + bias`` with the bound of
+    :func:`test_rows_gemm_matches_fp64_linear`, N past the last whole 64-row block, fewer than 16 rows (the copy fills
+    the rest with zeros) and K in two slices. The residual adds as PyTorch's ``residual + out`` does, to the bit."""
+    x = randn((rows, k), generator=generator, dtype=dtype, device=device)
+    weight = randn((n, k), generator=generator, dtype=dtype, device=device) / k**0.5
+    bias = randn((n,), generator=generator, dtype=dtype, device=device) if with_bias else None
+    residual = randn((rows, n), generator=generator, dtype=dtype, device=device)
+    on_tma = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and dtype != torch.float32
+    assert layer_ops.rows_gemm_streams(x, weight) == on_tma
+
+    out = layer_ops.rows_gemm(x, weight, bias)
+    added = layer_ops.rows_gemm(x, weight, bias, residual=residual)
+
+    x64, weight64 = x.double(), weight.double()
+    expected = x64 @ weight64.T + (bias.double() if with_bias else 0)
+    bound = torch.finfo(dtype).eps / 2 * expected.abs() + k * torch.finfo(torch.float32).eps * (
+        x64.abs() @ weight64.abs().T
+    )
+    error = (out.double() - expected).abs()
+    assert bool((error <= bound).all()), f"worst excess {float((error - bound).max())}"
+    assert torch.equal(added, residual + out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k, rows", [(37, 100, 3), (128, 256, 16), (192, 4096, 7)])  # 4096: two K slices
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_rows_gemm_swiglu_gives_the_gemm_then_silu_and_mul(n, k, rows, with_bias, dtype, device, generator):
+    """``rows_gemm(x, [W_gate; W_up], swiglu=True)`` is ``silu_and_mul`` of the plain call's two halves, to the bit,
+    whichever kernel runs it (the TMA kernel's epilogue on an sm_90 GPU in fp16/bf16 where K is whole tiles)."""
+    x = randn((rows, 1, k), generator=generator, dtype=dtype, device=device) * 2
+    weight = randn((2 * n, k), generator=generator, dtype=dtype, device=device) / k**0.5
+    bias = randn((2 * n,), generator=generator, dtype=dtype, device=device) if with_bias else None
+
+    activated = layer_ops.rows_gemm(x, weight, bias, swiglu=True)
+
+    gate, up = layer_ops.rows_gemm(x, weight, bias).chunk(2, dim=-1)
+    assert activated.shape == (rows, 1, n) and activated.dtype == dtype and activated.is_contiguous()
+    assert torch.equal(activated, layer_ops.silu_and_mul(gate, up))
+
+
 def test_rows_gemm_op_writes_its_out_and_compiles_to_eager_bits(device, generator):
     """Under ``torch.compile`` the few-row GEMM runs as the custom op ``flashcore::rows_gemm``, which writes into an
     ``out`` the caller allocates, as the GEMVs do; opcheck checks that claim, the fake and functionalization, and a
@@ -398,8 +443,10 @@ def test_rows_gemm_op_writes_its_out_and_compiles_to_eager_bits(device, generato
     residual = randn((rows, n), generator=generator, dtype=torch.float32, device=device)
     out = torch.empty(rows, n, device=device)
     op = torch.ops.flashcore.rows_gemm.default
-    torch.library.opcheck(op, (gate, up, w_down, bias, residual, None, 0.0, None, None, 0, out))
-    torch.library.opcheck(op, (gate, None, w_down, None, None, None, 0.0, None, None, 0, out))
+    torch.library.opcheck(op, (gate, up, w_down, bias, residual, None, 0.0, None, None, 0, False, out))
+    torch.library.opcheck(op, (gate, None, w_down, None, None, None, 0.0, None, None, 0, False, out))
+    w_gate_up = randn((2 * n, 2 * k), generator=generator, dtype=torch.float32, device=device) / k**0.5
+    torch.library.opcheck(op, (fused, None, w_gate_up, None, None, None, 0.0, None, None, 0, True, out))
 
     def two_mlps(hidden):
         for _ in range(2):
@@ -486,7 +533,7 @@ def test_rows_gemm_op_with_the_norm_and_rotary_compiles_to_eager_bits(device, ge
     cos, sin = angles.cos(), angles.sin()
     out = torch.empty(rows, 4 * head_dim, device=device)
     args = (x.view(rows, k), None, weight, None, None, norm_weight, 1e-5, cos.view(rows, -1), sin.view(rows, -1), 64)
-    torch.library.opcheck(torch.ops.flashcore.rows_gemm.default, (*args, out))
+    torch.library.opcheck(torch.ops.flashcore.rows_gemm.default, (*args, False, out))
 
     def two_layers(hidden):
         for _ in range(2):
@@ -503,6 +550,10 @@ def test_rows_gemm_errors_name_the_argument_and_the_fix(device, generator):
     weight = randn((16, 64), generator=generator, dtype=torch.float32, device=device)
     with pytest.raises(ValueError, match=r"rows_gemm takes 1 to 16 rows: .*got shape \(17, 64\); use F.linear"):
         layer_ops.rows_gemm(x, weight)
+    with pytest.raises(ValueError, match="rows_gemm takes swiglu .* alone: not with up"):
+        layer_ops.rows_gemm(x[:4], weight, up=x[:4], swiglu=True)
+    with pytest.raises(ValueError, match="swiglu needs a weight of gate and up rows, N even, got N = 15"):
+        layer_ops.rows_gemm(x[:4], weight[:15], swiglu=True)
     with pytest.raises(ValueError, match=r"up must have x's shape \(4, 64\)"):
         layer_ops.rows_gemm(x[:4], weight, up=x[:3])
     with pytest.raises(TypeError, match="up dtype torch.float16 must match x"):

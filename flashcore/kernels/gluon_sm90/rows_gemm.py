@@ -1,15 +1,22 @@
-"""A few-row GEMM on TMA copies, ``out = x @ weight.T (+ bias) (+ residual)`` for up to 16 rows (sm_90, Gluon).
+"""A few-row GEMM on TMA copies, ``out = x @ weight.T (+ bias) (+ residual)`` for up to 16 rows (sm_90, Gluon): the
+o, gate/up and down projections and the LM head of a decode step of a few rows.
 
 The Triton few-row GEMM (``kernels/triton/rows_gemm.py``) loads its weight tiles into registers, one tile in flight
-per program: at 16 rows a projection is a weight stream, and how many bytes an SM has in flight sets how fast it
-streams. Here each program keeps a ring of ``NUM_STAGES`` weight tiles in shared memory, filled by TMA copies:
-the first ``NUM_STAGES`` go out before the PDL wait, while the kernel before still runs, and each stage is filled
-again as soon as its MMA has read it. The registers hold only the accumulator, so the next kernel's programs can
-start on an SM while this one's still run.
+per program. At 16 rows a projection is a weight stream, and how many bytes an SM has in flight sets how fast it
+streams. Here each program keeps a ring of ``NUM_STAGES`` weight tiles in shared memory, filled by TMA copies: the
+first go out before the PDL wait, while the kernel before still runs, and each stage is filled again as soon as its
+MMA has read it. The registers hold only the accumulator, so the next kernel's programs fit on an SM while this
+one's still run (benchmarks/NOTES.md, entry 72).
 
-- Each program computes ``out.T`` for ``BLOCK_N`` weight rows (the MMA's M side) and the 16 rows (its N side; TMA
-  fills rows past ``M`` with zeros), over one slice of K in ``BLOCK_K`` tiles.
-- Split K, the epilogue's roundings and the ticket that makes the sum's order fixed are the Triton kernel's.
+- Each program computes ``out.T`` for ``BLOCK_N`` weight rows (the MMA's M side) and the 16 rows (its N side; the
+  TMA copy fills rows past ``M`` with zeros), over one slice of K in ``BLOCK_K`` tiles.
+- With ``swiglu`` the weight is a fused gate/up projection's, the gate's rows stacked on the up's: each program
+  streams the gate's and the up's rows of the same outputs, and its epilogue writes ``silu_and_mul(gate, up)``
+  with ``layer_kernels.silu_and_mul``'s roundings. The down projection after it is then a plain GEMM, whose epilogue
+  adds the residual.
+- Split K, the epilogue's roundings (the products summed in fp32 plus the bias, rounded once; plus the residual,
+  rounded again) and the ticket that fixes the order of the split sum are the Triton kernel's. A split is a
+  function of K alone, so the gate's outputs of a ``swiglu`` call have the bits of the plain call's.
 """
 
 from __future__ import annotations
@@ -19,7 +26,6 @@ import functools
 import torch
 import triton
 
-from flashcore.kernels.configs import num_sms
 from flashcore.kernels.gluon_sm90 import common
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 from flashcore.kernels.scratch import scratch_buffer
@@ -174,11 +180,13 @@ if common.HAS_GLUON:
     _launch_tma_rows_gemm = CachedLauncher(_tma_rows_gemm_kernel)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel takes ``x @ weight.T``: sm_90, bf16 or fp16, both K-contiguous and 16-byte aligned, K a
-    multiple of ``BLOCK_K``, at most 16 rows."""
+def supports(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> bool:
+    """Whether the kernel takes ``x @ weight.T`` (``x`` ``[M, K]``): sm_90, bf16 or fp16, both K-contiguous with
+    16-byte aligned rows, K a multiple of ``BLOCK_K``, at most 16 rows; with ``swiglu``, whole programs of gate rows.
+    """
     return (
         common.runs_on(x.device)
+        and (not swiglu or weight.shape[0] % (2 * BLOCK_N) == 0)
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and x.dim() == 2
@@ -193,14 +201,44 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+MAX_TILES_PER_SPLIT = 16  # K slices of at most 2048
+
+
 @functools.cache
-def tma_rows_gemm_config(n: int, k: int, device: torch.device) -> dict:
-    """``split_k`` and ``num_stages`` for an ``[n, k]`` weight: the fewest K slices that give every SM a program,
-    and a ring of up to 4 tiles."""
-    blocks, tiles = triton.cdiv(n, BLOCK_N), k // BLOCK_K
-    splits = [s for s in range(1, tiles + 1) if tiles % s == 0]
-    split_k = next((s for s in splits if blocks * s >= num_sms(device)), splits[-1])
-    return dict(split_k=split_k, num_stages=min(4, tiles // split_k))
+def tma_rows_gemm_config(k: int, swiglu: bool) -> dict:
+    """``split_k`` and ``num_stages`` for a weight of ``k`` columns: slices of at most 16 tiles (2048 of K), whatever
+    N is, and a ring of 6 tiles (120 KB of shared memory), of 4 where K is split, of 2 with ``swiglu`` (two weight
+    tiles a stage). Fitted to one model: on the Llama-3.2-1B shape's o, gate/up and down projections in a B=16
+    replayed step (H100, ``probes/session_tma_rows_gemm_b16.py``, entry 72) these were the fastest of the rings and
+    splits tried: o one slice, ring 6 (4 slices, ring 4: 35 µs a step slower); gate/up with the SiLU-and-mul one
+    slice, ring 2 (2 slices: 66 µs slower); down 4 slices, ring 4 (2 slices, ring 6: 25 µs slower)."""
+    tiles = k // BLOCK_K
+    split_k = triton.cdiv(tiles, MAX_TILES_PER_SPLIT)
+    while tiles % split_k:
+        split_k += 1
+    return dict(split_k=split_k, num_stages=2 if swiglu else 4 if split_k > 1 else 6)
+
+
+MAX_CACHED_DESCRIPTORS = 1024  # a model's weights: a few per layer
+_weight_descriptors: dict[tuple, object] = {}
+
+
+def _weight_descriptor(weight: torch.Tensor):
+    """The weight's TMA descriptor, built once per address and layout: a weight lives across calls, and building a
+    descriptor is most of an eager call's added host time. Keyed by what the descriptor holds (as
+    ``common.cached_tile_descriptor``); it holds the address, not the tensor."""
+    key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype)
+    descriptor = _weight_descriptors.get(key)
+    if descriptor is None:
+        if len(_weight_descriptors) >= MAX_CACHED_DESCRIPTORS:
+            _weight_descriptors.clear()
+        layout = _shared_layout(weight.dtype, BLOCK_N)
+        base = common._DeviceAddress(weight.data_ptr(), weight.dtype)
+        descriptor = common.TensorDescriptor(
+            base, list(weight.shape), list(weight.stride()), [BLOCK_N, BLOCK_K], layout
+        )
+        _weight_descriptors[key] = descriptor
+    return descriptor
 
 
 @functools.cache
@@ -229,7 +267,7 @@ def tma_rows_gemm(
     n_out = n // 2 if swiglu else n
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    config = tma_rows_gemm_config(n_out, k, x.device)
+    config = tma_rows_gemm_config(k, swiglu)
     split_k = split_k or config["split_k"]
     num_stages = num_stages or config["num_stages"]
     tiles_per_split = k // BLOCK_K // split_k
@@ -238,7 +276,7 @@ def tma_rows_gemm(
     if split_k > 1:
         partial = scratch_buffer("rows_gemm_partials", split_k * MAX_ROWS * n, torch.float32, x.device)
         tickets = scratch_buffer("rows_gemm_tickets", blocks, torch.int32, x.device)
-    w_desc = common.TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], _shared_layout(x.dtype, BLOCK_N))
+    w_desc = _weight_descriptor(weight)
     x_desc = common.TensorDescriptor.from_tensor(x, [MAX_ROWS, BLOCK_K], _shared_layout(x.dtype, MAX_ROWS))
     use_pdl = uses_programmatic_launch(x.device)
     _launch_tma_rows_gemm(
