@@ -8,8 +8,8 @@ programs start, and stream their first tiles, while the o projection (32 program
 ``DecodeSession``'s replayed step (``fuse_projections`` and ``layer_kernels``, no compile) on ``bench_generate``'s
 model (bf16, 16 random 512-token prompts), the variants alternating over ``--rounds`` rounds:
 
-- ``release_first``: the norm releases before its wait (shipped);
-- ``release_after_wait``: after it, as before entry 73.
+- ``release_first``: the norm releases before its wait (as committed at b8c0533);
+- ``release_after_wait``: after it (as before, and shipped again after entry 73).
 
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``release_first``'s (the
 bits cannot change: only when the next kernel starts does).

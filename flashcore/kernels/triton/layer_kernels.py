@@ -202,11 +202,10 @@ def _rotary_embedding_kernel(
 
 
 _launch_rms_norm = CachedLauncher(_rms_norm_kernel)
-# The norm releases the next kernel before its own wait: the GEMM after it (the gate/up projection, the LM head)
-# then streams its first weight tiles while the projection before the norm still runs (benchmarks/NOTES.md, entry
-# 73). Safe where the next kernel reads nothing but its weight before its wait: flashcore's GEMMs and GEMVs, and
-# inductor's kernels, which wait first (``launch.uses_programmatic_launch``).
-NORM_RELEASES_FIRST = True
+# Whether the norm releases the next kernel before its own wait, so that the GEMM after it (the gate/up projection)
+# streams its first weight tiles while the projection before the norm still runs: a B=16 step was 21 µs longer that
+# way (benchmarks/NOTES.md, entry 73), so it releases after; ``probes/session_norm_release_b16.py`` sets it.
+NORM_RELEASES_FIRST = False
 ROTARY_HEADS_PER_PROGRAM = 16  # at most; the probes set 1 for the one-head programs of before entry 66
 _launch_silu_and_mul = CachedLauncher(_silu_and_mul_kernel)
 _launch_rotary_embedding = CachedLauncher(_rotary_embedding_kernel)
