@@ -274,9 +274,9 @@ def rows_gemm(
     ``x``, its first outputs rotated: the q/k/v projection between the layer's norm and its attention. With
     ``swiglu``, ``silu_and_mul(gate, up)`` of a fused gate/up projection's two halves, which are not written.
 
-    Calls without ``up`` and ``cos`` run on the TMA kernel where :func:`rows_gemm_streams` (an sm_90 GPU,
-    fp16/bf16: ``flashcore/kernels/gluon_sm90/rows_gemm.py``), the rest on the Triton kernel; with ``swiglu`` there,
-    the GEMM and :func:`silu_and_mul` run one after the other.
+    Plain calls (with ``residual`` or ``swiglu`` at most) run on the TMA kernel where :func:`rows_gemm_streams` (an
+    sm_90 GPU, fp16/bf16: ``flashcore/kernels/gluon_sm90/rows_gemm.py``), the rest on the Triton kernel; with
+    ``swiglu`` there, the GEMM and :func:`silu_and_mul` run one after the other.
 
     Args:
         x: ``[..., K]`` of 1 to 16 rows (the leading dims' product), unit stride along K, rows at one stride (a
@@ -300,7 +300,8 @@ def rows_gemm(
             ``cos``.
         swiglu: the weight's rows (N even) are a gate projection's, then an up projection's: the output is
             ``silu_and_mul(gate, up)`` of the two rounded products, ``[..., N / 2]``, with its roundings; the gate's
-            and up's outputs have the bits of the call without it. Not with ``up``, ``cos`` or ``residual``.
+            and up's outputs have the bits of the call without it. Not with ``up``, ``norm_weight``, ``cos`` or
+            ``residual``.
 
     Returns:
         A new contiguous ``[..., N]`` tensor (``[..., N / 2]`` with ``swiglu``) of ``x``'s dtype: the products summed
@@ -324,9 +325,9 @@ def rows_gemm(
         if up is not None:
             raise ValueError("rows_gemm takes up (a SwiGLU's down projection) or norm_weight, not both")
         _check_norm_weight(x, norm_weight, eps)
-    if swiglu and (up is not None or cos is not None or residual is not None):
-        raise ValueError("rows_gemm takes swiglu (a fused gate/up projection) with norm_weight at most: not with up, "
-                         "cos or residual")  # fmt: skip
+    if swiglu and (up is not None or norm_weight is not None or cos is not None or residual is not None):
+        raise ValueError("rows_gemm takes swiglu (a fused gate/up projection) alone: not with up, norm_weight, cos "
+                         "or residual")  # fmt: skip
     if swiglu and weight.shape[0] % 2:
         raise ValueError(f"swiglu needs a weight of gate and up rows, N even, got N = {weight.shape[0]}")
     head_dim, rotated = _check_rotary(x, rows, weight.shape[0], cos, sin, rotated, rows_gemm_kernels.BLOCK_N)
@@ -362,14 +363,13 @@ def rows_gemm_streams(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = Fals
 
 
 def _run_rows_gemm(x, up, weight, bias, residual, norm_weight, eps, cos, sin, rotated, swiglu, out) -> None:
-    """:func:`rows_gemm`'s kernels, for ``[M, K]`` operands it validated: calls without ``up`` and ``cos`` on the TMA
-    kernel where it takes them, the rest on the Triton kernel."""
-    if up is None and cos is None and tma_rows_gemm_kernels.supports(x, weight, swiglu):
-        tma_rows_gemm_kernels.tma_rows_gemm(
-            x, weight, bias, residual=residual, swiglu=swiglu, norm_weight=norm_weight, eps=eps, out=out
-        )
+    """:func:`rows_gemm`'s kernels, for ``[M, K]`` operands it validated: plain calls (``residual`` or ``swiglu`` at
+    most) on the TMA kernel where it takes them, the rest on the Triton kernel."""
+    plain = up is None and norm_weight is None and cos is None
+    if plain and tma_rows_gemm_kernels.supports(x, weight, swiglu):
+        tma_rows_gemm_kernels.tma_rows_gemm(x, weight, bias, residual=residual, swiglu=swiglu, out=out)
     elif swiglu:
-        gate, up = rows_gemm_kernels.rows_gemm_triton(x, weight, bias, norm_weight=norm_weight, eps=eps).chunk(2, -1)
+        gate, up = rows_gemm_kernels.rows_gemm_triton(x, weight, bias).chunk(2, dim=-1)
         out.copy_(layer_kernels.silu_and_mul_triton(gate, up))
     else:
         rows_gemm_kernels.rows_gemm_triton(

@@ -75,11 +75,7 @@ def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.
     rotary embedding, by whichever names the model passes them) go to the attention as stock's do."""
     residual = hidden_states
     norm = self.post_attention_layernorm
-    if (
-        _runs_gemv(self, hidden_states)
-        or not layer_kernels.runs_kernel_norm(norm)
-        or _streams_attention_output_and_mlp(self, hidden_states)
-    ):
+    if _runs_gemv(self, hidden_states) or not layer_kernels.runs_kernel_norm(norm):
         hidden_states, _ = self.self_attn(
             hidden_states=hidden_states, norm=self.input_layernorm, residual=residual, **kwargs
         )
@@ -145,12 +141,16 @@ def mlp_forward(
 ) -> torch.Tensor:
     """``LlamaMLP.forward``; with ``norm`` and ``residual`` (from :func:`decoder_layer_forward`) it returns
     ``residual + mlp(norm(x))``."""
-    if _streams_mlp(self, x, norm):
-        # The few-row GEMM's TMA kernel computes the norm in its prologue and the SiLU-and-mul in its epilogue: the
-        # down projection is then a plain GEMM, with the residual add in its own epilogue (NOTES.md, entries 72-74).
-        fused = self.__dict__["_fused_projection"]
-        folded = {} if norm is None else dict(norm_weight=norm.weight, eps=norm.variance_epsilon)
-        activated = layer_ops.rows_gemm(x, fused.weight, fused.bias, swiglu=True, **folded)
+    fused = self.__dict__.get("_fused_projection")
+    if (
+        norm is None
+        and fused is not None
+        and _runs_rows_gemm(self, x)
+        and layer_ops.rows_gemm_streams(x, fused.weight, swiglu=True)
+    ):
+        # The few-row GEMM's TMA kernel computes the SiLU-and-mul in its epilogue: the down projection is then a plain
+        # GEMM, with the residual add in its own epilogue (NOTES.md, entry 72).
+        activated = layer_ops.rows_gemm(x, fused.weight, fused.bias, swiglu=True)
         return _project_residual(self, activated, "down_proj", residual)
     (gate, up), _ = _project(self, x, ("gate_proj", "up_proj"), norm)
     if not self.__dict__.get("_uses_layer_kernels"):
@@ -224,31 +224,6 @@ def _project_residual(
         return layer_ops.rows_gemm(x, linear.weight, linear.bias, up=up, residual=residual)
     out = linear(x if up is None else layer_ops.silu_and_mul(x, up))
     return out if residual is None else residual + out
-
-
-def _streams_mlp(mlp: torch.nn.Module, x: torch.Tensor, norm: torch.nn.Module | None) -> bool:
-    """The MLP of 2 to 16 rows, whose fused gate/up projection (with ``norm`` before it, where one is given and runs
-    flashcore's kernel) the few-row GEMM's TMA kernel takes, the SiLU-and-mul in its epilogue."""
-    fused = mlp.__dict__.get("_fused_projection")
-    return (
-        fused is not None
-        and _runs_rows_gemm(mlp, x)
-        and (norm is None or layer_kernels.runs_kernel_norm(norm))
-        and layer_ops.rows_gemm_streams(x, fused.weight, swiglu=True)
-    )
-
-
-def _streams_attention_output_and_mlp(layer: torch.nn.Module, x: torch.Tensor) -> bool:
-    """A decoder layer of 2 to 16 rows whose o projection and MLP the few-row GEMM's TMA kernel takes: the residual
-    add after attention then runs in the o projection's epilogue, and the MLP's norm in the gate/up projection's
-    prologue, one launch a layer fewer than the add-and-norm kernel between them (NOTES.md, entry 74)."""
-    o_proj = layer.self_attn.o_proj
-    return (
-        _runs_rows_gemm(layer.self_attn, x)
-        and _is_plain_linear(o_proj)
-        and layer_ops.rows_gemm_streams(x, o_proj.weight)
-        and _streams_mlp(layer.mlp, x, layer.post_attention_layernorm)
-    )
 
 
 def _runs_gemv(module: torch.nn.Module, x: torch.Tensor) -> bool:

@@ -35,15 +35,7 @@ BLOCK_N = 64  # weight rows per program: one warpgroup's MMA
 BLOCK_K = 128  # K per tile: 16 KB of bf16 weight
 
 if common.HAS_GLUON:
-    from flashcore.kernels.gluon_sm90.common import (
-        fence_async_shared,
-        gl,
-        gluon,
-        mbarrier,
-        tma_load,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from flashcore.kernels.gluon_sm90.common import gl, gluon, mbarrier, tma_load, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
     def _wait_for_previous_grid():
@@ -64,19 +56,13 @@ if common.HAS_GLUON:
         residual_ptr,  # [M, N_out], unit stride along N; read only when HAS_RESIDUAL
         partial_ptr,  # [SPLIT_K, MAX_ROWS, N] fp32; used only when SPLIT_K > 1
         tickets_ptr,  # [cdiv(N_out, BLOCK_N)] int32, zero between launches; used only when SPLIT_K > 1
-        x_ptr,  # [M, K], unit stride along K: read directly only when NORM
-        norm_weight_ptr,  # [K]; read only when NORM
         m,
         n_out,  # N, or N / 2 with SWIGLU
-        k,
-        stride_x_m,
         stride_residual_m,
         tiles_per_split,
-        eps,  # the norm's; used only when NORM
         SPLIT_K: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         SWIGLU: gl.constexpr,  # weight rows [0, N_out) are the gate's, [N_out, N) the up's; out = silu_and_mul
-        NORM: gl.constexpr,  # the input is rms_norm(x, norm_weight, eps), each tile normalized into shared memory
         HAS_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
@@ -95,9 +81,7 @@ if common.HAS_GLUON:
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(stage), count=1)
-        x_bytes: gl.constexpr = 0 if NORM else x_desc.block_type.nbytes  # a normalized x tile is stored, not copied
-        stage_bytes: gl.constexpr = (2 if SWIGLU else 1) * w_desc.block_type.nbytes + x_bytes
-        x_tile_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        stage_bytes: gl.constexpr = (2 if SWIGLU else 1) * w_desc.block_type.nbytes + x_desc.block_type.nbytes
 
         # The first stages' weight tiles, while the kernel before may still run; x after the wait.
         for stage in gl.static_range(NUM_STAGES):
@@ -109,13 +93,9 @@ if common.HAS_GLUON:
         if USE_PDL:
             _wait_for_previous_grid()
             _launch_dependents()
-        if NORM:
-            inv_rms = _inverse_rms_rows(x_ptr, stride_x_m, m, k, eps, BLOCK_M, BLOCK_K, x_tile_layout)
-        else:
-            inv_rms = gl.full([BLOCK_M], 1.0, gl.float32, gl.SliceLayout(1, x_tile_layout))
-            for stage in gl.static_range(NUM_STAGES):
-                if stage < tiles_per_split:
-                    tma_load(x_desc, [0, k0 + stage * BLOCK_K], ready.index(stage), x_tiles.index(stage))
+        for stage in gl.static_range(NUM_STAGES):
+            if stage < tiles_per_split:
+                tma_load(x_desc, [0, k0 + stage * BLOCK_K], ready.index(stage), x_tiles.index(stage))
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
@@ -124,13 +104,6 @@ if common.HAS_GLUON:
         acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         for i in range(tiles_per_split):
             slot = i % NUM_STAGES
-            if NORM:  # the MMA of this slot's last tile has finished: its x tile may be overwritten
-                x_normed = _normalized_x_tile(
-                    x_ptr, norm_weight_ptr, inv_rms, stride_x_m, m, k0 + i * BLOCK_K, BLOCK_M, BLOCK_K, x_tile_layout
-                )
-                x_tiles.index(slot).store(x_normed)
-                fence_async_shared()
-                common.partition_barrier()
             mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
             x_tile = x_tiles.index(slot).permute((1, 0))
             acc = warpgroup_mma(w_tiles.index(slot), x_tile, acc, is_async=True)
@@ -145,8 +118,7 @@ if common.HAS_GLUON:
                 tma_load(w_desc, [row0, k0 + refill * BLOCK_K], ready.index(slot), w_tiles.index(slot))
                 if SWIGLU:
                     tma_load(w_desc, [n_out + row0, k0 + refill * BLOCK_K], ready.index(slot), u_tiles.index(slot))
-                if not NORM:
-                    tma_load(x_desc, [0, k0 + refill * BLOCK_K], ready.index(slot), x_tiles.index(slot))
+                tma_load(x_desc, [0, k0 + refill * BLOCK_K], ready.index(slot), x_tiles.index(slot))
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(stage))
 
@@ -177,37 +149,6 @@ if common.HAS_GLUON:
         else:
             _store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
                           stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
-
-    @gluon.jit
-    def _inverse_rms_rows(
-        x_ptr, stride_x_m, m, k, eps, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, layout: gl.constexpr
-    ):
-        """``rsqrt(mean(x^2) + eps)`` in fp32 of each of the ``BLOCK_M`` rows (0 past ``m``), over all of K (whole
-        ``BLOCK_K`` tiles), as the Triton kernel's ``_inverse_rms_rows`` (the squares summed in another order)."""
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-        rows = x_ptr + offs_m.to(gl.int64)[:, None] * stride_x_m + offs_k[None, :]
-        mask = (offs_m < m)[:, None]
-        squares = gl.zeros([BLOCK_M, BLOCK_K], gl.float32, layout)
-        for start in range(0, k, BLOCK_K):
-            x = gl.load(rows + start, mask=mask, other=0.0).to(gl.float32)
-            squares += x * x
-        return gl.rsqrt(gl.sum(squares, 1) / k + eps)
-
-    @gluon.jit
-    def _normalized_x_tile(
-        x_ptr, norm_weight_ptr, inv_rms, stride_x_m, m, start, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-        layout: gl.constexpr,
-    ):  # fmt: skip
-        """x's ``[BLOCK_M, BLOCK_K]`` tile at column ``start``, normalized with ``layer_kernels.rms_normalize``'s
-        roundings (op for op: a Gluon kernel cannot call the @triton.jit one)."""
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
-        offs_k = start + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, layout))
-        x = gl.load(x_ptr + offs_m.to(gl.int64)[:, None] * stride_x_m + offs_k[None, :], mask=(offs_m < m)[:, None],
-                    other=0.0)  # fmt: skip
-        weight = gl.load(norm_weight_ptr + offs_k)
-        normalized = (x.to(gl.float32) * inv_rms[:, None]).to(x.dtype)
-        return (weight.to(gl.float32)[None, :] * normalized.to(gl.float32)).to(x.dtype)
 
     @gluon.jit
     def _silu_and_mul(gate, up):
@@ -314,8 +255,6 @@ def tma_rows_gemm(
     *,
     residual: torch.Tensor | None = None,
     swiglu: bool = False,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
     out: torch.Tensor | None = None,
     split_k: int | None = None,
     num_stages: int | None = None,
@@ -323,9 +262,7 @@ def tma_rows_gemm(
     """``x`` ``[M, K]``, ``weight`` ``[N, K]`` (:func:`supports`), ``bias`` ``[N]`` or None, ``residual`` ``[M, N]``
     with unit stride along N or None; returns ``out`` (``[M, N]`` contiguous, a new one if None). With ``swiglu``
     the weight's rows are a gate's and an up projection's, stacked, and ``out`` (``[M, N / 2]``) is
-    ``silu_and_mul(gate, up)`` of the two products. With ``norm_weight`` (``[K]``) the input is
-    ``rms_norm(x, norm_weight, eps)``: each program sums its rows' squares over all of K after the wait, then
-    normalizes each tile into shared memory as it comes to it."""
+    ``silu_and_mul(gate, up)`` of the two products."""
     (m, k), n = x.shape, weight.shape[0]
     n_out = n // 2 if swiglu else n
     if out is None:
@@ -346,12 +283,10 @@ def tma_rows_gemm(
         (blocks, split_k, 1),
         (
             out, w_desc, x_desc, bias if bias is not None else out, residual if residual is not None else out,
-            partial, tickets, x, norm_weight if norm_weight is not None else out, m, n_out, k, x.stride(0),
-            residual.stride(0) if residual is not None else 0, tiles_per_split, float(eps),
+            partial, tickets, m, n_out, residual.stride(0) if residual is not None else 0, tiles_per_split,
         ),
         dict(
-            SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), SWIGLU=swiglu,
-            NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+            SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), SWIGLU=swiglu, HAS_BIAS=bias is not None,
             HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
         num_warps=4,
