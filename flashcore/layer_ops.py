@@ -2,8 +2,9 @@
 before it), rotary embedding, SiLU-and-mul, the one-row GEMV of a batch-1 decode step's projections (with the
 RMSNorm before them, the rotary embedding or the residual add after them, and for the down projection the
 SiLU-and-mul folded in), and the few-row GEMM of a decode step of up to 16 rows (the q/k/v projection, with the
-RMSNorm before it and the rotary embedding after it folded in; the down projection, with the SiLU-and-mul and the
-residual add; and the LM head).
+RMSNorm before it and the rotary embedding after it folded in; the o projection; the gate/up projection, with the
+SiLU-and-mul after it; the down projection, with the SiLU-and-mul before it or after the gate/up's, and the residual
+add; and the LM head).
 
 Why flashcore has its own: a model step runs eagerly, replayed from a CUDA graph, or compiled. Eager and replayed
 PyTorch ops give the same bits, but inductor fuses HF's RMSNorm, RoPE and SwiGLU code without eager's intermediate
@@ -12,7 +13,9 @@ bf16 roundings and with its own summation order, so a compiled bf16 model picks 
 ``torch.library`` op), so a model that uses them computes the same bits eagerly, replayed and compiled. They round
 where HF's eager code rounds (``flashcore/kernels/triton/layer_kernels.py``). The GEMV is there for speed: it starts
 loading its weight while the kernel before it still runs (``flashcore/kernels/triton/gemv.py``), and so does the
-few-row GEMM, which takes four launches per layer into it (``flashcore/kernels/triton/rows_gemm.py``).
+few-row GEMM, which takes four launches per layer into it (``flashcore/kernels/triton/rows_gemm.py``; on an sm_90
+GPU in fp16/bf16 its calls without a folded norm or RoPE run on a Gluon kernel whose weight tiles come through a ring
+of TMA copies, ``flashcore/kernels/gluon_sm90/rows_gemm.py``).
 ``apply_flashcore_to_llama(model, layer_kernels=True)`` puts them in a patched model.
 
 Like :func:`flashcore.attention_with_kv_cache` they run on CUDA tensors, or on CPU tensors under

@@ -209,9 +209,10 @@ def tma_rows_gemm_config(k: int, swiglu: bool) -> dict:
     """``split_k`` and ``num_stages`` for a weight of ``k`` columns: slices of at most 16 tiles (2048 of K), whatever
     N is, and a ring of 6 tiles (120 KB of shared memory), of 4 where K is split, of 2 with ``swiglu`` (two weight
     tiles a stage). Fitted to one model: on the Llama-3.2-1B shape's o, gate/up and down projections in a B=16
-    replayed step (H100, ``probes/session_tma_rows_gemm_b16.py``, entry 72) these were the fastest of the rings and
-    splits tried: o one slice, ring 6 (4 slices, ring 4: 35 µs a step slower); gate/up with the SiLU-and-mul one
-    slice, ring 2 (2 slices: 66 µs slower); down 4 slices, ring 4 (2 slices, ring 6: 25 µs slower)."""
+    replayed step (H100, ``probes/session_tma_rows_gemm_b16.py`` and ``session_tma_configs_b16.py``, entry 72) these
+    were the fastest of the rings and splits tried, or within 3.3 µs a step of it (down in 8 slices): o one slice,
+    ring 6 (4 slices, ring 4: 35 µs a step slower); gate/up with the SiLU-and-mul one slice, ring 2 (2 slices: 66 µs
+    slower); down 4 slices, ring 4 (2 slices, ring 6: 25 µs slower)."""
     tiles = k // BLOCK_K
     split_k = triton.cdiv(tiles, MAX_TILES_PER_SPLIT)
     while tiles % split_k:
