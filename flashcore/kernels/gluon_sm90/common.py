@@ -37,12 +37,24 @@ except ImportError:
 
 __all__ = [
     "HAS_GLUON", "TensorDescriptor", "advance_seq_lens_after_last_program", "fence_async_shared", "gl", "gluon",
-    "mbarrier", "merge_kv_splits", "mma_v2", "online_softmax_step", "partition_barrier", "runs_on", "tile_descriptor",
-    "CacheTileGrid", "cache_tile_grid", "cached_tile_descriptor", "streams_cache", "tma_load", "warpgroup_mma",
-    "warpgroup_mma_wait",
+    "launch_dependents", "mbarrier", "merge_kv_splits", "mma_v2", "online_softmax_step", "partition_barrier",
+    "runs_on", "tile_descriptor", "CacheTileGrid", "cache_tile_grid", "cached_tile_descriptor", "streams_cache",
+    "tma_load", "wait_for_previous_grid", "warpgroup_mma", "warpgroup_mma_wait",
 ]  # fmt: skip
 
 if HAS_GLUON:
+
+    @gluon.jit
+    def wait_for_previous_grid():
+        """Programmatic dependent launch: wait until the kernel before has finished and its writes are visible."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def launch_dependents():
+        """Programmatic dependent launch: let the next kernel start (it waits in its turn before reading our writes)."""
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
 
     @gluon.jit
     def online_softmax_step(scores, m_i, l_i, qk_scale):

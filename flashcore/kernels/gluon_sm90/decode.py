@@ -76,16 +76,6 @@ if common.HAS_GLUON:
     _PRODUCER_REGISTERS = gl.constexpr(24)  # the least a warp can hold; the producer only computes addresses
 
     @gluon.jit
-    def _wait_for_previous_grid():
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _launch_dependents():
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-
-    @gluon.jit
     def _stream_kv_tiles(
         k_desc, v_desc, k_tiles, v_tiles, ready, empty, seq_lens_ptr, row_tickets_ptr,
         batch, new_seq_len, row_base, col, lo, num_tiles, num_row_programs,
@@ -108,7 +98,7 @@ if common.HAS_GLUON:
             if num_tiles <= NUM_STAGES:
                 mbarrier.wait(empty.index(0), 0)
             if WAIT_IN_PARTITIONS:  # the previous kernel has finished with every seq_lens before this one writes one
-                _wait_for_previous_grid()
+                common.wait_for_previous_grid()
             advance_seq_lens_after_last_program(seq_lens_ptr, row_tickets_ptr, batch, new_seq_len, num_row_programs)
 
     @gluon.jit
@@ -126,9 +116,9 @@ if common.HAS_GLUON:
         """The consumer warps: online softmax over the stages as they land, then the epilogue."""
         if WAIT_IN_PARTITIONS:
             # While the producer's first copies are in flight: q and the new K/V are the previous kernel's outputs.
-            _wait_for_previous_grid()
+            common.wait_for_previous_grid()
             if USE_SPLIT_KV and not MERGE_IN_LAUNCH:
-                _launch_dependents()
+                common.launch_dependents()
         NUM_STAGES: gl.constexpr = k_tiles.type.shape[0]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
         a_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -277,9 +267,9 @@ if common.HAS_GLUON:
         # before its attention launch is done, the whole launch waits first (WAIT_FIRST).
         WAIT_IN_PARTITIONS: gl.constexpr = USE_PDL and not WAIT_FIRST
         if USE_PDL and WAIT_FIRST:
-            _wait_for_previous_grid()
+            common.wait_for_previous_grid()
             if USE_SPLIT_KV and not MERGE_IN_LAUNCH:
-                _launch_dependents()
+                common.launch_dependents()
         # -- row metadata --
         pid_bh = gl.program_id(0)
         split = gl.program_id(1)

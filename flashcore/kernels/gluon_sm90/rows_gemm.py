@@ -38,16 +38,6 @@ if common.HAS_GLUON:
     from flashcore.kernels.gluon_sm90.common import gl, gluon, mbarrier, tma_load, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
-    def _wait_for_previous_grid():
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _launch_dependents():
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-
-    @gluon.jit
     def _tma_rows_gemm_kernel(
         out_ptr,  # [M, N_out], contiguous (a tensor first: CachedLauncher reads the device off it)
         w_desc,  # TMA descriptor over weight [N, K], [BLOCK_N, BLOCK_K] boxes
@@ -91,8 +81,8 @@ if common.HAS_GLUON:
                 if SWIGLU:
                     tma_load(w_desc, [n_out + row0, k0 + stage * BLOCK_K], ready.index(stage), u_tiles.index(stage))
         if USE_PDL:
-            _wait_for_previous_grid()
-            _launch_dependents()
+            common.wait_for_previous_grid()
+            common.launch_dependents()
         for stage in gl.static_range(NUM_STAGES):
             if stage < tiles_per_split:
                 tma_load(x_desc, [0, k0 + stage * BLOCK_K], ready.index(stage), x_tiles.index(stage))
