@@ -111,13 +111,13 @@ if common.HAS_GLUON:
         GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         USE_SPLIT_KV: gl.constexpr, MERGE_IN_LAUNCH: gl.constexpr, SPLITS_PAD: gl.constexpr,
         MERGE_ROWS: gl.constexpr, ADVANCE_SEQ_LENS: gl.constexpr, NUM_WARPS: gl.constexpr,
-        WAIT_IN_PARTITIONS: gl.constexpr,
+        WAIT_IN_PARTITIONS: gl.constexpr, RELEASE_AFTER_WAIT: gl.constexpr,
     ):  # fmt: skip
         """The consumer warps: online softmax over the stages as they land, then the epilogue."""
         if WAIT_IN_PARTITIONS:
             # While the producer's first copies are in flight: q and the new K/V are the previous kernel's outputs.
             common.wait_for_previous_grid()
-            if USE_SPLIT_KV and not MERGE_IN_LAUNCH:
+            if RELEASE_AFTER_WAIT:
                 common.launch_dependents()
         NUM_STAGES: gl.constexpr = k_tiles.type.shape[0]
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
@@ -256,6 +256,7 @@ if common.HAS_GLUON:
         USE_PDL: gl.constexpr,  # launched with programmatic dependent launch (launch.uses_programmatic_launch)
         NUM_WARPS: gl.constexpr,  # the consumer warps (the kernel's num_warps)
         WAIT_FIRST: gl.constexpr,  # with USE_PDL: wait before reading the cache (split_merge.follows_merge_of)
+        RELEASE_AFTER_WAIT: gl.constexpr,  # with USE_PDL: release the next kernel right after the wait
     ):  # fmt: skip
         # -- programmatic dependent launch --
         # This launch may start while the previous kernel (a model's q/k/v projection) still runs. Everything up to
@@ -268,7 +269,7 @@ if common.HAS_GLUON:
         WAIT_IN_PARTITIONS: gl.constexpr = USE_PDL and not WAIT_FIRST
         if USE_PDL and WAIT_FIRST:
             common.wait_for_previous_grid()
-            if USE_SPLIT_KV and not MERGE_IN_LAUNCH:
+            if RELEASE_AFTER_WAIT:
                 common.launch_dependents()
         # -- row metadata --
         pid_bh = gl.program_id(0)
@@ -312,7 +313,7 @@ if common.HAS_GLUON:
                         batch, kv_head, split, num_splits, seq_len, row_new, seq_len_before + row_new, lo, hi,
                         num_tiles, row_base, col, row_stride, num_kv_heads, capacity, qk_scale,
                         GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, USE_SPLIT_KV, MERGE_IN_LAUNCH, SPLITS_PAD, MERGE_ROWS,
-                        ADVANCE_SEQ_LENS, NUM_WARPS, WAIT_IN_PARTITIONS,
+                        ADVANCE_SEQ_LENS, NUM_WARPS, WAIT_IN_PARTITIONS, RELEASE_AFTER_WAIT,
                     ),
                 ),
                 (
@@ -344,6 +345,11 @@ def _launch_plan(batch_kv_heads: int, capacity: int, group: int, head_dim: int, 
 # An eager call's bound launch (launch.BoundLaunch), per call shape and cache: the host time of an eager decode call
 # is its cost (NOTES.md, entry 40). The key is everything the launch's arguments depend on besides the addresses of
 # the per-call tensors (q, k, v, seq_lens, query_lens, out), the positions of which are _VARYING.
+# With one KV split a program (one per row and KV head) releases the next kernel right after its wait, as the other
+# kernels do, so that a model's o projection starts streaming its weight during the attention; before entry 75 it
+# released it only by finishing. ``probes/session_decode_release_b16.py`` sets it.
+ONE_SPLIT_RELEASES = True
+
 MAX_BOUND_LAUNCHES = 4096  # per live cache two layers' worth each; a new cache adds its own
 _bound_launches: dict[tuple, object] = {}
 _VARYING = (0, 1, 2, 7, 8, 11)
@@ -431,6 +437,7 @@ def _launch(
         USE_PDL=use_pdl,
         NUM_WARPS=CONFIG.num_consumer_warps,
         WAIT_FIRST=wait_first,
+        RELEASE_AFTER_WAIT=(num_splits > 1 and not merge_in_launch) or (num_splits == 1 and ONE_SPLIT_RELEASES),
     )
     options = dict(
         num_warps=CONFIG.num_consumer_warps, num_stages=CONFIG.num_stages, launch_pdl=use_pdl,
