@@ -41,7 +41,6 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
-    RELEASE_FIRST: tl.constexpr,  # with USE_PDL: release the next kernel before the wait (NORM_RELEASES_FIRST)
 ):
     """One program per row: ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``, in fp32 with HF's one rounding
     before the weight. With ``HAS_RESIDUAL``, ``x`` is first replaced by ``(residual + x).to(dtype)``, written to
@@ -50,11 +49,8 @@ def _rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     if USE_PDL:
-        if RELEASE_FIRST:
-            gdc_launch_dependents()
         gdc_wait()
-        if not RELEASE_FIRST:
-            gdc_launch_dependents()
+        gdc_launch_dependents()
     x = tl.load(x_ptr + row * stride_x_row + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_residual_row + offs, mask=mask, other=0.0)
@@ -202,10 +198,6 @@ def _rotary_embedding_kernel(
 
 
 _launch_rms_norm = CachedLauncher(_rms_norm_kernel)
-# Whether the norm releases the next kernel before its own wait, so that the GEMM after it (the gate/up projection)
-# streams its first weight tiles while the projection before the norm still runs: a B=16 step was 21 µs longer that
-# way (benchmarks/NOTES.md, entry 73), so it releases after; ``probes/session_norm_release_b16.py`` sets it.
-NORM_RELEASES_FIRST = False
 ROTARY_HEADS_PER_PROGRAM = 16  # at most; the probes set 1 for the one-head programs of before entry 66
 _launch_silu_and_mul = CachedLauncher(_silu_and_mul_kernel)
 _launch_rotary_embedding = CachedLauncher(_rotary_embedding_kernel)
@@ -237,7 +229,7 @@ def _launch_norm(x, residual, weight, eps, sum_out, out) -> None:
             x, residual if has_residual else x, weight, sum_out if has_residual else out, out,
             x.stride(0), residual.stride(0) if has_residual else 0, hidden, float(eps),
         ),
-        dict(BLOCK=block, HAS_RESIDUAL=has_residual, USE_PDL=use_pdl, RELEASE_FIRST=NORM_RELEASES_FIRST),
+        dict(BLOCK=block, HAS_RESIDUAL=has_residual, USE_PDL=use_pdl),
         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
         num_stages=1,
         launch_pdl=use_pdl,
