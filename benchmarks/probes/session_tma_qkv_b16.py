@@ -2,9 +2,9 @@
 
 Until this probe the q/k/v projection of a B=16 decode step ran on the Triton few-row GEMM (the norm in its
 prologue, the RoPE in its epilogue; entries 68 and 71) and the TMA kernel (``kernels/gluon_sm90/rows_gemm.py``,
-entry 72) took only the plain calls. Now the TMA kernel takes the norm (each program sums its rows' squares over
-all of K from L2 after the PDL wait, then writes its normalized slice into shared memory, while the first weight
-tiles stream) and the RoPE (the two halves of a program's pairs meet through shared memory). This probe times a
+entry 72) took only the plain calls. Now the TMA kernel takes the norm (after the PDL wait each program copies all
+of x into shared memory, sums its rows' squares over K and normalizes its slice there, while the first weight tiles
+stream) and the RoPE (the two halves of a program's pairs meet through shared memory). This probe times a
 ``DecodeSession``'s replayed step (``fuse_projections`` and ``layer_kernels``, no compile) on ``bench_generate``'s
 model (bf16, 16 random 512-token prompts), the variants alternating over ``--rounds`` rounds:
 
@@ -37,6 +37,8 @@ VARIANTS = {  # name: (q/k/v on the TMA kernel, (split_k, num_stages) or None fo
     "qkv_s2_st6": (True, (2, 6)),
     "qkv_s2_st2": (True, (2, 2)),
     "qkv_s1_st4": (True, (1, 4)),
+    "qkv_s4_st2": (True, (4, 2)),
+    "qkv_s8_st2": (True, (8, 2)),
 }
 
 

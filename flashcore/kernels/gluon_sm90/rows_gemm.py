@@ -31,6 +31,7 @@ from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 from flashcore.kernels.scratch import scratch_buffer
 
 MAX_ROWS = 16
+MAX_NORM_K = 4096  # with the norm all of x waits in shared memory: 128 KB at 4096
 BLOCK_N = 64  # weight rows per program: one warpgroup's MMA
 BLOCK_K = 128  # K per tile: 16 KB of bf16 weight
 
@@ -41,8 +42,7 @@ if common.HAS_GLUON:
     def _tma_rows_gemm_kernel(
         out_ptr,  # [M, N_out], contiguous (a tensor first: CachedLauncher reads the device off it)
         w_desc,  # TMA descriptor over weight [N, K]: [BLOCK_N, BLOCK_K] boxes, [BLOCK_N / 2, BLOCK_K] if SPLIT_ROWS
-        x_desc,  # TMA descriptor over x [M, K], [MAX_ROWS, BLOCK_K] boxes; not read when NORM
-        x_ptr,  # x itself; read only when NORM
+        x_desc,  # TMA descriptor over x [M, K], [MAX_ROWS, BLOCK_K] boxes
         bias_ptr,  # [N]; read only when HAS_BIAS
         residual_ptr,  # [M, N_out], unit stride along N; read only when HAS_RESIDUAL
         norm_weight_ptr,  # [K]; read only when NORM
@@ -52,7 +52,6 @@ if common.HAS_GLUON:
         tickets_ptr,  # [cdiv(N_out, BLOCK_N)] int32, zero between launches; used only when SPLIT_K > 1
         m,
         n_out,  # N, or N / 2 with SWIGLU
-        stride_x_m,
         stride_residual_m,
         stride_cos_m,
         tiles_per_split,
@@ -65,8 +64,8 @@ if common.HAS_GLUON:
         HAS_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         NORM: gl.constexpr,  # the input is rms_norm(x, norm_weight, eps)
-        NORM_K: gl.constexpr,  # K, when NORM (its tiles are unrolled)
-        NORM_TILES: gl.constexpr,  # tiles_per_split, when NORM (the normalized slice stays in shared memory)
+        NORM_K: gl.constexpr,  # K, when NORM: all of x waits in shared memory
+        NORM_TILES: gl.constexpr,  # tiles_per_split, when NORM
         ROTARY: gl.constexpr,  # outputs [0, rotated_blocks * BLOCK_N) are heads of D = 2 * HALF to rotate
         HALF: gl.constexpr,
         USE_PDL: gl.constexpr,
@@ -78,7 +77,7 @@ if common.HAS_GLUON:
         # those are BLOCK_N consecutive rows, at a larger D two boxes of PAIRS rows.
         SPLIT_ROWS: gl.constexpr = ROTARY and HALF != PAIRS
         UP_STAGES: gl.constexpr = NUM_STAGES if SWIGLU else 1
-        X_STAGES: gl.constexpr = NORM_TILES if NORM else NUM_STAGES
+        X_STAGES: gl.constexpr = NORM_K // BLOCK_K if NORM else NUM_STAGES
         dtype: gl.constexpr = w_desc.dtype
         block = gl.program_id(0)
         split = gl.program_id(1)
@@ -113,8 +112,10 @@ if common.HAS_GLUON:
             common.wait_for_previous_grid()
             common.launch_dependents()
         if NORM:
-            _normalize_slice(x_ptr, norm_weight_ptr, x_tiles, m, stride_x_m, k0, eps, BLOCK_M, BLOCK_K, NORM_K,
-                             NORM_TILES)  # fmt: skip
+            x_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(x_ready, count=1)
+            _normalize_slice(x_desc, norm_weight_ptr, x_tiles, x_ready, split * NORM_TILES, eps, NORM_K, NORM_TILES)
+            mbarrier.invalidate(x_ready)
         else:
             for stage in gl.static_range(NUM_STAGES):
                 if stage < tiles_per_split:
@@ -128,7 +129,7 @@ if common.HAS_GLUON:
         for i in range(tiles_per_split):
             slot = i % NUM_STAGES
             mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
-            x_tile = x_tiles.index(i if NORM else slot).permute((1, 0))
+            x_tile = x_tiles.index(split * NORM_TILES + i if NORM else slot).permute((1, 0))
             acc = warpgroup_mma(w_tiles.index(slot), x_tile, acc, is_async=True)
             if SWIGLU:
                 acc_up = warpgroup_mma(u_tiles.index(slot), x_tile, acc_up, is_async=True)
@@ -191,27 +192,32 @@ if common.HAS_GLUON:
 
     @gluon.jit
     def _normalize_slice(
-        x_ptr, norm_weight_ptr, x_tiles, m, stride_x_m, k0, eps, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-        NORM_K: gl.constexpr, NORM_TILES: gl.constexpr,
-    ):  # fmt: skip
-        """Writes ``rms_norm(x, norm_weight, eps)`` of the program's slice of K (``NORM_TILES`` tiles from ``k0``)
-        into ``x_tiles``, with ``layer_kernels.rms_normalize``'s roundings: each row's squares summed over all of K
-        (from L2, every tile's loads unrolled), then the slice normalized tile by tile. Rows past ``m`` are zeros."""
+        x_desc, norm_weight_ptr, x_tiles, x_ready, first_tile, eps, NORM_K: gl.constexpr, NORM_TILES: gl.constexpr
+    ):
+        """Copies all of x (``[BLOCK_M, NORM_K]``, rows past M zeros) into ``x_tiles`` and overwrites the program's
+        ``NORM_TILES`` tiles from ``first_tile`` with ``rms_norm(x, norm_weight, eps)``, with
+        ``layer_kernels.rms_normalize``'s roundings; each row's squares are summed over all of K. Every copy is
+        issued at once, and the loops are unrolled, so that no load waits on the one before."""
+        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        K_TILES: gl.constexpr = NORM_K // BLOCK_K
+        mbarrier.expect(x_ready, K_TILES * x_desc.block_type.nbytes)
+        for t in gl.static_range(K_TILES):
+            tma_load(x_desc, [0, t * BLOCK_K], x_ready, x_tiles.index(t))
         rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-        offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))
-        offs_c = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, rows_layout))
-        row_mask = (offs_r < m)[:, None]
-        x_rows = x_ptr + offs_r[:, None] * stride_x_m + offs_c[None, :]
+        offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, rows_layout))
+        mbarrier.wait(x_ready, 0)
         squares = gl.zeros([BLOCK_M, BLOCK_K], gl.float32, rows_layout)
-        for t in gl.static_range(NORM_K // BLOCK_K):
-            x = gl.load(x_rows + t * BLOCK_K, mask=row_mask, other=0.0).to(gl.float32)
+        for t in gl.static_range(K_TILES):
+            x = x_tiles.index(t).load(rows_layout).to(gl.float32)
             squares += x * x
         inv_rms = gl.rsqrt(gl.sum(squares, axis=1) / NORM_K + eps)[:, None]
         for t in gl.static_range(NORM_TILES):
-            x = gl.load(x_rows + k0 + t * BLOCK_K, mask=row_mask, other=0.0)
-            norm_weight = gl.load(norm_weight_ptr + k0 + t * BLOCK_K + offs_c)[None, :]
+            tile = x_tiles.index(first_tile + t)
+            x = tile.load(rows_layout)
+            norm_weight = gl.load(norm_weight_ptr + (first_tile + t) * BLOCK_K + offs_k)[None, :]
             normalized = (x.to(gl.float32) * inv_rms).to(x.dtype)
-            x_tiles.index(t).store((norm_weight.to(gl.float32) * normalized.to(gl.float32)).to(x.dtype))
+            tile.store((norm_weight.to(gl.float32) * normalized.to(gl.float32)).to(x.dtype))
         common.fence_async_shared()
         common.partition_barrier()  # every warp's tiles written before the warpgroup's MMAs read them
 
@@ -312,7 +318,7 @@ def supports(
 ) -> bool:
     """Whether the kernel takes ``x @ weight.T`` (``x`` ``[M, K]``): sm_90, bf16 or fp16, both K-contiguous with
     16-byte aligned rows, K a multiple of ``BLOCK_K``, at most 16 rows; with ``swiglu``, whole programs of gate rows;
-    with ``norm_weight``, a contiguous one; with ``cos`` (``[M, D]``, unit stride along D), heads whose halves are
+    with ``norm_weight``, a contiguous one and K at most ``MAX_NORM_K``; with ``cos`` (``[M, D]``, unit stride along D), heads whose halves are
     whole multiples of a program's 32 pairs (D a multiple of 64) and no ``residual``.
     """
     return (
@@ -327,7 +333,7 @@ def supports(
         and weight.stride(1) == 1
         and (x.stride(0) * x.element_size()) % 16 == 0
         and (weight.stride(0) * weight.element_size()) % 16 == 0
-        and (norm_weight is None or norm_weight.stride(0) == 1)
+        and (norm_weight is None or (norm_weight.stride(0) == 1 and x.shape[1] <= MAX_NORM_K))
         and (cos is None or (cos.shape[-1] % BLOCK_N == 0 and cos.stride(-1) == 1 and residual is None))
         # Tracing (torch.compile) knows no addresses: the op's body asks again with the tensors it runs on.
         and (torch.compiler.is_compiling() or (x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0))
@@ -431,10 +437,10 @@ def tma_rows_gemm(
     _launch_tma_rows_gemm(
         (blocks, split_k, 1),
         (
-            out, w_desc, x_desc, x, bias if bias is not None else unused,
+            out, w_desc, x_desc, bias if bias is not None else unused,
             residual if residual is not None else unused, norm_weight if norm else unused,
             cos if cos is not None else unused, sin if sin is not None else unused, partial, tickets, m, n_out,
-            x.stride(0), residual.stride(0) if residual is not None else 0, cos.stride(0) if cos is not None else 0,
+            residual.stride(0) if residual is not None else 0, cos.stride(0) if cos is not None else 0,
             tiles_per_split, rotated // BLOCK_N, float(eps),
         ),
         dict(
