@@ -318,8 +318,8 @@ def supports(
 ) -> bool:
     """Whether the kernel takes ``x @ weight.T`` (``x`` ``[M, K]``): sm_90, bf16 or fp16, both K-contiguous with
     16-byte aligned rows, K a multiple of ``BLOCK_K``, at most 16 rows; with ``swiglu``, whole programs of gate rows;
-    with ``norm_weight``, a contiguous one and K at most ``MAX_NORM_K``; with ``cos`` (``[M, D]``, unit stride along D), heads whose halves are
-    whole multiples of a program's 32 pairs (D a multiple of 64) and no ``residual``.
+    with ``norm_weight``, a contiguous one and K at most ``MAX_NORM_K``; with ``cos`` (``[M, D]``, unit stride along
+    D), heads whose halves are whole multiples of a program's 32 pairs (D a multiple of 64) and no ``residual``.
     """
     return (
         common.runs_on(x.device)
