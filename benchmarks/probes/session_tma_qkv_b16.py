@@ -11,7 +11,9 @@ model (bf16, 16 random 512-token prompts), the variants alternating over ``--rou
 - ``triton_qkv``: the q/k/v projection on the Triton kernel, as before (the TMA kernel's ``supports`` answering
   False for calls with the norm or the RoPE);
 - ``shipped``: on the TMA kernel at ``tma_rows_gemm_config``'s split and ring for the norm (2 slices, ring 4);
-- ``qkv_s<split>_st<ring>``: other splits and rings.
+- ``qkv_s<split>_st<ring>``: other splits and rings;
+- ``norm_apart_s<split>_st<ring>``: the norm in a launch of its own (``layer_kernels.rms_norm_triton``, the
+  kernel the MLP's norm runs on), then the TMA kernel with the RoPE alone.
 
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``triton_qkv``'s (the sum
 of squares in another order: they may part at a near-tie).
@@ -29,29 +31,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 
 from flashcore.kernels.gluon_sm90 import rows_gemm as tma  # noqa: E402
+from flashcore.kernels.triton import layer_kernels  # noqa: E402
 
-VARIANTS = {  # name: (q/k/v on the TMA kernel, (split_k, num_stages) or None for the shipped config)
+VARIANTS = {  # name: (q/k/v on the TMA kernel, (split_k, num_stages) or None for the shipped config[, norm apart])
     "triton_qkv": (False, None),
     "shipped": (True, None),
+    "qkv_s2_st8": (True, (2, 8)),
+    "norm_apart_s1_st6": (True, (1, 6), True),
+    "norm_apart_s2_st4": (True, (2, 4), True),
+    "norm_apart_s2_st6": (True, (2, 6), True),
     "qkv_s4_st4": (True, (4, 4)),
     "qkv_s2_st6": (True, (2, 6)),
     "qkv_s2_st2": (True, (2, 2)),
-    "qkv_s1_st4": (True, (1, 4)),
     "qkv_s4_st2": (True, (4, 2)),
-    "qkv_s8_st2": (True, (8, 2)),
 }
 
 
-def timed_session(model, input_ids, on_tma: bool, config) -> dict:
+def timed_session(model, input_ids, on_tma: bool, config, norm_apart: bool = False) -> dict:
     supports, run = tma.supports, tma.tma_rows_gemm
 
     def supports_qkv(x, weight, swiglu=False, **operands):
         folded = operands.get("norm_weight") is not None or operands.get("cos") is not None
         return (on_tma or not folded) and supports(x, weight, swiglu, **operands)
 
-    def with_config(x, weight, bias, *, norm_weight=None, **rest):
-        split_k, num_stages = config if config and norm_weight is not None else (None, None)
-        return run(x, weight, bias, norm_weight=norm_weight, split_k=split_k, num_stages=num_stages, **rest)
+    def with_config(x, weight, bias, *, norm_weight=None, eps=0.0, cos=None, **rest):
+        split_k, num_stages = config if config and (norm_weight is not None or cos is not None) else (None, None)
+        if norm_apart and norm_weight is not None:
+            x, norm_weight = layer_kernels.rms_norm_triton(x, norm_weight, eps), None
+        return run(x, weight, bias, norm_weight=norm_weight, eps=eps, cos=cos, split_k=split_k, num_stages=num_stages,
+                   **rest)  # fmt: skip
 
     tma.supports, tma.tma_rows_gemm = supports_qkv, with_config
     try:
