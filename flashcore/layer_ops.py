@@ -368,12 +368,9 @@ def rows_gemm_streams(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = Fals
 def _run_rows_gemm(x, up, weight, bias, residual, norm_weight, eps, cos, sin, rotated, swiglu, out) -> None:
     """:func:`rows_gemm`'s kernels, for ``[M, K]`` operands it validated: plain calls (``residual`` or ``swiglu`` at
     most) on the TMA kernel where it takes them, the rest on the Triton kernel."""
-    tma = tma_rows_gemm_kernels.supports(x, weight, swiglu, residual=residual, norm_weight=norm_weight, cos=cos)
-    if up is None and tma:
-        tma_rows_gemm_kernels.tma_rows_gemm(
-            x, weight, bias, residual=residual, swiglu=swiglu, norm_weight=norm_weight, eps=eps, cos=cos, sin=sin,
-            rotated=rotated, out=out,
-        )  # fmt: skip
+    plain = up is None and norm_weight is None and cos is None
+    if plain and tma_rows_gemm_kernels.supports(x, weight, swiglu):
+        tma_rows_gemm_kernels.tma_rows_gemm(x, weight, bias, residual=residual, swiglu=swiglu, out=out)
     elif swiglu:
         gate, up = rows_gemm_kernels.rows_gemm_triton(x, weight, bias).chunk(2, dim=-1)
         out.copy_(layer_kernels.silu_and_mul_triton(gate, up))

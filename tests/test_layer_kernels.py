@@ -460,8 +460,8 @@ def test_rows_gemm_op_writes_its_out_and_compiles_to_eager_bits(device, generato
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "n, k, rows", [(64, 100, 3), (300, 2500, 16), (300, 2048, 5)]
-)  # 2500: split K, a ragged last tile; 2048: the TMA kernel's on an H100, in 2 slices, N past the last 64-row block
+    "n, k, rows", [(64, 100, 3), (300, 2500, 16), (3072, 2048, 16)]
+)  # 2500: split K, a ragged last tile; 3072 x 2048: the Llama-3.2-1B q/k/v, 2 slices of one 64 x 1024 tile on an H100
 def test_rows_gemm_folds_the_rms_norm(n, k, rows, dtype, device, generator):
     """``rows_gemm(x, W, norm_weight=w, eps=e)`` against fp64 ``rms_norm(x, w, e) @ W.T`` per row, the norm's output
     taken from :func:`layer_ops.rms_norm` (checked against ``LlamaRMSNorm`` above). As in the GEMV, the kernel sums
@@ -488,9 +488,9 @@ def test_rows_gemm_folds_the_rms_norm(n, k, rows, dtype, device, generator):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "heads, head_dim, k, rows",
-    [((9, 3), 64, 96, 5), ((4, 2), 32, 2500, 16), ((2, 1), 128, 64, 2), ((4, 2), 64, 2048, 16), ((3, 1), 128, 256, 3)],
-)  # SmolLM2's heads; D 32 (two heads a program); D 128 (half a head a program); K 2500 split. On an H100 the TMA
-# kernel takes K 2048 (in 2 slices) and K 256 (at D 128 its weight tiles are two boxes of 32 rows).
+    [((9, 3), 64, 96, 5), ((4, 2), 32, 2500, 16), ((2, 1), 128, 64, 2), ((32, 8), 64, 2048, 16)],
+)  # SmolLM2's heads; D 32 (two heads a program); D 128 (half a head a program); K 2500 split; the Llama-3.2-1B q/k/v
+# (2 slices of one 64 x 1024 tile on an H100)
 @pytest.mark.parametrize("with_norm", [False, True], ids=["no_norm", "norm"])
 def test_rows_gemm_folds_the_rotary_embedding(heads, head_dim, k, rows, with_norm, dtype, device, generator):
     """``rows_gemm(..., cos=, sin=, rotated=)`` gives the bits of the GEMM, then

@@ -31,7 +31,6 @@ from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 from flashcore.kernels.scratch import scratch_buffer
 
 MAX_ROWS = 16
-MAX_NORM_K = 4096  # with the norm all of x waits in shared memory: 128 KB at 4096
 BLOCK_N = 64  # weight rows per program: one warpgroup's MMA
 BLOCK_K = 128  # K per tile: 16 KB of bf16 weight
 
@@ -41,85 +40,52 @@ if common.HAS_GLUON:
     @gluon.jit
     def _tma_rows_gemm_kernel(
         out_ptr,  # [M, N_out], contiguous (a tensor first: CachedLauncher reads the device off it)
-        w_desc,  # TMA descriptor over weight [N, K]: [BLOCK_N, BLOCK_K] boxes, [BLOCK_N / 2, BLOCK_K] if SPLIT_ROWS
+        w_desc,  # TMA descriptor over weight [N, K], [BLOCK_N, BLOCK_K] boxes
         x_desc,  # TMA descriptor over x [M, K], [MAX_ROWS, BLOCK_K] boxes
         bias_ptr,  # [N]; read only when HAS_BIAS
         residual_ptr,  # [M, N_out], unit stride along N; read only when HAS_RESIDUAL
-        norm_weight_ptr,  # [K]; read only when NORM
-        cos_ptr,  # [M, 2 * HALF] (row stride stride_cos_m), unit stride along D; read only when ROTARY
-        sin_ptr,  # like cos
         partial_ptr,  # [SPLIT_K, MAX_ROWS, N] fp32; used only when SPLIT_K > 1
         tickets_ptr,  # [cdiv(N_out, BLOCK_N)] int32, zero between launches; used only when SPLIT_K > 1
         m,
         n_out,  # N, or N / 2 with SWIGLU
         stride_residual_m,
-        stride_cos_m,
         tiles_per_split,
-        rotated_blocks,  # programs [0, rotated_blocks) rotate; used only when ROTARY
-        eps,  # the norm's; used only when NORM
-        BLOCK_N: gl.constexpr,
         SPLIT_K: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         SWIGLU: gl.constexpr,  # weight rows [0, N_out) are the gate's, [N_out, N) the up's; out = silu_and_mul
         HAS_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
-        NORM: gl.constexpr,  # the input is rms_norm(x, norm_weight, eps)
-        NORM_K: gl.constexpr,  # K, when NORM: all of x waits in shared memory
-        NORM_TILES: gl.constexpr,  # tiles_per_split, when NORM
-        ROTARY: gl.constexpr,  # outputs [0, rotated_blocks * BLOCK_N) are heads of D = 2 * HALF to rotate
-        HALF: gl.constexpr,
         USE_PDL: gl.constexpr,
     ):
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
-        PAIRS: gl.constexpr = BLOCK_N // 2
-        # A rotating program's rows: PAIRS first-half rows of heads and their partners HALF after; at D = BLOCK_N
-        # those are BLOCK_N consecutive rows, at a larger D two boxes of PAIRS rows.
-        SPLIT_ROWS: gl.constexpr = ROTARY and HALF != PAIRS
         UP_STAGES: gl.constexpr = NUM_STAGES if SWIGLU else 1
-        X_STAGES: gl.constexpr = NORM_K // BLOCK_K if NORM else NUM_STAGES
-        dtype: gl.constexpr = w_desc.dtype
         block = gl.program_id(0)
         split = gl.program_id(1)
-        rotates = False
-        pair0 = block * PAIRS  # the first of a rotating program's pairs
-        row0 = block * BLOCK_N  # the program's first weight row, and (+ PAIRS) its second half's
-        row1 = row0 + PAIRS
-        if ROTARY:
-            rotates = block < rotated_blocks
-            if rotates:
-                row0 = (pair0 // HALF) * (2 * HALF) + pair0 % HALF
-                row1 = row0 + HALF
+        row0 = block * BLOCK_N
         k0 = split * tiles_per_split * BLOCK_K
-        w_tiles = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-        u_tiles = gl.allocate_shared_memory(dtype, [UP_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-        x_tiles = gl.allocate_shared_memory(x_desc.dtype, [X_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+        w_tiles = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        u_tiles = gl.allocate_shared_memory(w_desc.dtype, [UP_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        x_tiles = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(stage), count=1)
-        W_BYTES: gl.constexpr = BLOCK_N * BLOCK_K * dtype.primitive_bitwidth // 8
-        stage_bytes: gl.constexpr = (2 if SWIGLU else 1) * W_BYTES + (0 if NORM else x_desc.block_type.nbytes)
+        stage_bytes: gl.constexpr = (2 if SWIGLU else 1) * w_desc.block_type.nbytes + x_desc.block_type.nbytes
 
         # The first stages' weight tiles, while the kernel before may still run; x after the wait.
         for stage in gl.static_range(NUM_STAGES):
             if stage < tiles_per_split:
                 mbarrier.expect(ready.index(stage), stage_bytes)
-                _load_weight_tile(w_desc, row0, row1, k0 + stage * BLOCK_K, ready.index(stage), w_tiles.index(stage),
-                                  SPLIT_ROWS)  # fmt: skip
+                tma_load(w_desc, [row0, k0 + stage * BLOCK_K], ready.index(stage), w_tiles.index(stage))
                 if SWIGLU:
                     tma_load(w_desc, [n_out + row0, k0 + stage * BLOCK_K], ready.index(stage), u_tiles.index(stage))
         if USE_PDL:
             common.wait_for_previous_grid()
             common.launch_dependents()
-        if NORM:
-            x_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-            mbarrier.init(x_ready, count=1)
-            _normalize_slice(x_desc, norm_weight_ptr, x_tiles, x_ready, split * NORM_TILES, eps, NORM_K, NORM_TILES)
-            mbarrier.invalidate(x_ready)
-        else:
-            for stage in gl.static_range(NUM_STAGES):
-                if stage < tiles_per_split:
-                    tma_load(x_desc, [0, k0 + stage * BLOCK_K], ready.index(stage), x_tiles.index(stage))
+        for stage in gl.static_range(NUM_STAGES):
+            if stage < tiles_per_split:
+                tma_load(x_desc, [0, k0 + stage * BLOCK_K], ready.index(stage), x_tiles.index(stage))
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
@@ -129,7 +95,7 @@ if common.HAS_GLUON:
         for i in range(tiles_per_split):
             slot = i % NUM_STAGES
             mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
-            x_tile = x_tiles.index(split * NORM_TILES + i if NORM else slot).permute((1, 0))
+            x_tile = x_tiles.index(slot).permute((1, 0))
             acc = warpgroup_mma(w_tiles.index(slot), x_tile, acc, is_async=True)
             if SWIGLU:
                 acc_up = warpgroup_mma(u_tiles.index(slot), x_tile, acc_up, is_async=True)
@@ -139,17 +105,14 @@ if common.HAS_GLUON:
             refill = i + NUM_STAGES
             if refill < tiles_per_split:
                 mbarrier.expect(ready.index(slot), stage_bytes)
-                _load_weight_tile(w_desc, row0, row1, k0 + refill * BLOCK_K, ready.index(slot), w_tiles.index(slot),
-                                  SPLIT_ROWS)  # fmt: skip
+                tma_load(w_desc, [row0, k0 + refill * BLOCK_K], ready.index(slot), w_tiles.index(slot))
                 if SWIGLU:
                     tma_load(w_desc, [n_out + row0, k0 + refill * BLOCK_K], ready.index(slot), u_tiles.index(slot))
-                if not NORM:
-                    tma_load(x_desc, [0, k0 + refill * BLOCK_K], ready.index(slot), x_tiles.index(slot))
+                tma_load(x_desc, [0, k0 + refill * BLOCK_K], ready.index(slot), x_tiles.index(slot))
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(stage))
 
-        rows_of_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-        offs_n = gl.where(rows_of_tile < PAIRS, row0 + rows_of_tile, row1 + rows_of_tile - PAIRS)
+        offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
         mask_n, mask_m = offs_n < n_out, offs_m < m
         mask = mask_n[:, None] & mask_m[None, :]
@@ -170,56 +133,12 @@ if common.HAS_GLUON:
                     acc += gl.load(split_tile, mask=mask, other=0.0, cache_modifier=".cg")
                     if SWIGLU:
                         acc_up += gl.load(split_tile + n_out, mask=mask, other=0.0, cache_modifier=".cg")
-                _store_output(acc, acc_up, bias_ptr, residual_ptr, cos_ptr, sin_ptr, out_ptr, tile, offs_n, offs_m,
-                              mask_n, mask, n_out, stride_residual_m, stride_cos_m, rotates, row0, row1, pair0, m,
-                              SWIGLU, HAS_BIAS, HAS_RESIDUAL, ROTARY, HALF)  # fmt: skip
+                _store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
+                              stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
                 gl.atomic_xchg(tickets_ptr + block, 0)
         else:
-            _store_output(acc, acc_up, bias_ptr, residual_ptr, cos_ptr, sin_ptr, out_ptr, tile, offs_n, offs_m, mask_n,
-                          mask, n_out, stride_residual_m, stride_cos_m, rotates, row0, row1, pair0, m,
-                          SWIGLU, HAS_BIAS, HAS_RESIDUAL, ROTARY, HALF)  # fmt: skip
-
-    @gluon.jit
-    def _load_weight_tile(w_desc, row0, row1, col, bar, tile, SPLIT_ROWS: gl.constexpr):
-        """One stage's weight tile: ``BLOCK_N`` rows from ``row0``, or with ``SPLIT_ROWS`` two boxes of half as many,
-        from ``row0`` and ``row1``."""
-        if SPLIT_ROWS:
-            PAIRS: gl.constexpr = w_desc.block_type.shape[0]
-            tma_load(w_desc, [row0, col], bar, tile.slice(0, PAIRS))
-            tma_load(w_desc, [row1, col], bar, tile.slice(PAIRS, PAIRS))
-        else:
-            tma_load(w_desc, [row0, col], bar, tile)
-
-    @gluon.jit
-    def _normalize_slice(
-        x_desc, norm_weight_ptr, x_tiles, x_ready, first_tile, eps, NORM_K: gl.constexpr, NORM_TILES: gl.constexpr
-    ):
-        """Copies all of x (``[BLOCK_M, NORM_K]``, rows past M zeros) into ``x_tiles`` and overwrites the program's
-        ``NORM_TILES`` tiles from ``first_tile`` with ``rms_norm(x, norm_weight, eps)``, with
-        ``layer_kernels.rms_normalize``'s roundings; each row's squares are summed over all of K. Every copy is
-        issued at once, and the loops are unrolled, so that no load waits on the one before."""
-        BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-        K_TILES: gl.constexpr = NORM_K // BLOCK_K
-        mbarrier.expect(x_ready, K_TILES * x_desc.block_type.nbytes)
-        for t in gl.static_range(K_TILES):
-            tma_load(x_desc, [0, t * BLOCK_K], x_ready, x_tiles.index(t))
-        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-        offs_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, rows_layout))
-        mbarrier.wait(x_ready, 0)
-        squares = gl.zeros([BLOCK_M, BLOCK_K], gl.float32, rows_layout)
-        for t in gl.static_range(K_TILES):
-            x = x_tiles.index(t).load(rows_layout).to(gl.float32)
-            squares += x * x
-        inv_rms = gl.rsqrt(gl.sum(squares, axis=1) / NORM_K + eps)[:, None]
-        for t in gl.static_range(NORM_TILES):
-            tile = x_tiles.index(first_tile + t)
-            x = tile.load(rows_layout)
-            norm_weight = gl.load(norm_weight_ptr + (first_tile + t) * BLOCK_K + offs_k)[None, :]
-            normalized = (x.to(gl.float32) * inv_rms).to(x.dtype)
-            tile.store((norm_weight.to(gl.float32) * normalized.to(gl.float32)).to(x.dtype))
-        common.fence_async_shared()
-        common.partition_barrier()  # every warp's tiles written before the warpgroup's MMAs read them
+            _store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
+                          stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
 
     @gluon.jit
     def _silu_and_mul(gate, up):
@@ -230,62 +149,12 @@ if common.HAS_GLUON:
         return (activated * up.to(gl.float32)).to(dtype)
 
     @gluon.jit
-    def _ptx_f32(OP: gl.constexpr, a, b):
-        """``layer_kernels._ptx_f32``: ``a OP b`` in fp32 as one PTX instruction rounded to nearest."""
-        return gl.inline_asm_elementwise(
-            f"{OP}.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=gl.float32, is_pure=True, pack=1
-        )
-
-    @gluon.jit
-    def _rotate_halves(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi):
-        """``layer_kernels.rotate_halves`` with ``EXACT``, op for op: each product and the sum rounded to the dtype
-        as HF's eager code rounds them, none contracted."""
-        dtype = lo.dtype
-        lo, hi = lo.to(gl.float32), hi.to(gl.float32)
-        lo_cos, hi_sin = _ptx_f32("mul", lo, cos_lo).to(dtype), _ptx_f32("mul", -hi, sin_lo).to(dtype)
-        hi_cos, lo_sin = _ptx_f32("mul", hi, cos_hi).to(dtype), _ptx_f32("mul", lo, sin_hi).to(dtype)
-        out_lo = _ptx_f32("add", lo_cos.to(gl.float32), hi_sin.to(gl.float32))
-        out_hi = _ptx_f32("add", hi_cos.to(gl.float32), lo_sin.to(gl.float32))
-        return out_lo.to(dtype), out_hi.to(dtype)
-
-    @gluon.jit
-    def _store_rotated(out, cos_ptr, sin_ptr, out_ptr, row0, row1, pair0, m, n_out, stride_cos_m, HALF: gl.constexpr):
-        """``out`` (rounded, ``[BLOCK_N, BLOCK_M]``: rows of ``BLOCK_N / 2`` first halves from ``row0``, then their
-        partners from ``row1``) rotated by each row's cos and sin and stored. The halves meet through shared
-        memory."""
-        BLOCK_N: gl.constexpr = out.shape[0]
-        BLOCK_M: gl.constexpr = out.shape[1]
-        PAIRS: gl.constexpr = BLOCK_N // 2
-        staged = gl.allocate_shared_memory(out.dtype, [BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        staged.store(out)
-        common.partition_barrier()
-        halves: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [gl.num_warps(), 1], [1, 0])
-        lo = staged.slice(0, PAIRS).load(halves)
-        hi = staged.slice(PAIRS, PAIRS).load(halves)
-        offs_p = gl.arange(0, PAIRS, layout=gl.SliceLayout(1, halves))
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, halves))
-        mask = (offs_m < m)[None, :]
-        dims = ((pair0 + offs_p) % HALF)[:, None]
-        cos_rows = cos_ptr + offs_m[None, :] * stride_cos_m + dims
-        sin_rows = sin_ptr + offs_m[None, :] * stride_cos_m + dims
-        cos_lo = gl.load(cos_rows, mask=mask, other=0.0).to(gl.float32)
-        cos_hi = gl.load(cos_rows + HALF, mask=mask, other=0.0).to(gl.float32)
-        sin_lo = gl.load(sin_rows, mask=mask, other=0.0).to(gl.float32)
-        sin_hi = gl.load(sin_rows + HALF, mask=mask, other=0.0).to(gl.float32)
-        out_lo, out_hi = _rotate_halves(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi)
-        out_rows = out_ptr + offs_m[None, :] * n_out + offs_p[:, None]
-        gl.store(out_rows + row0, out_lo, mask=mask)
-        gl.store(out_rows + row1, out_hi, mask=mask)
-
-    @gluon.jit
     def _store_output(
-        total, total_up, bias_ptr, residual_ptr, cos_ptr, sin_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
-        stride_residual_m, stride_cos_m, rotates, row0, row1, pair0, m, SWIGLU: gl.constexpr,
-        HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr, ROTARY: gl.constexpr, HALF: gl.constexpr,
+        total, total_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
+        stride_residual_m, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
     ):  # fmt: skip
         """The Triton kernel's epilogue: plus the bias in fp32, rounded (with ``SWIGLU``, gate and up each, then
-        ``silu_and_mul`` of the two); rotated where ``rotates``; plus the residual, rounded again (not with
-        ``ROTARY``)."""
+        ``silu_and_mul`` of the two); plus the residual, rounded again."""
         if HAS_BIAS:
             total += gl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(gl.float32)[:, None]
             if SWIGLU:
@@ -296,30 +165,14 @@ if common.HAS_GLUON:
         if HAS_RESIDUAL:
             residual = gl.load(residual_ptr + offs_m[None, :] * stride_residual_m + offs_n[:, None], mask=mask)
             out = (out.to(gl.float32) + residual.to(gl.float32)).to(out_ptr.dtype.element_ty)
-        if ROTARY:
-            if rotates:
-                _store_rotated(out, cos_ptr, sin_ptr, out_ptr, row0, row1, pair0, m, n_out, stride_cos_m, HALF)
-            else:
-                gl.store(out_ptr + tile, out, mask=mask)
-        else:
-            gl.store(out_ptr + tile, out, mask=mask)
+        gl.store(out_ptr + tile, out, mask=mask)
 
     _launch_tma_rows_gemm = CachedLauncher(_tma_rows_gemm_kernel)
 
 
-def supports(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    swiglu: bool = False,
-    *,
-    residual: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    cos: torch.Tensor | None = None,
-) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False) -> bool:
     """Whether the kernel takes ``x @ weight.T`` (``x`` ``[M, K]``): sm_90, bf16 or fp16, both K-contiguous with
-    16-byte aligned rows, K a multiple of ``BLOCK_K``, at most 16 rows; with ``swiglu``, whole programs of gate rows;
-    with ``norm_weight``, a contiguous one and K at most ``MAX_NORM_K``; with ``cos`` (``[M, D]``, unit stride along
-    D), heads whose halves are whole multiples of a program's 32 pairs (D a multiple of 64) and no ``residual``.
+    16-byte aligned rows, K a multiple of ``BLOCK_K``, at most 16 rows; with ``swiglu``, whole programs of gate rows.
     """
     return (
         common.runs_on(x.device)
@@ -333,45 +186,39 @@ def supports(
         and weight.stride(1) == 1
         and (x.stride(0) * x.element_size()) % 16 == 0
         and (weight.stride(0) * weight.element_size()) % 16 == 0
-        and (norm_weight is None or (norm_weight.stride(0) == 1 and x.shape[1] <= MAX_NORM_K))
-        and (cos is None or (cos.shape[-1] % BLOCK_N == 0 and cos.stride(-1) == 1 and residual is None))
         # Tracing (torch.compile) knows no addresses: the op's body asks again with the tensors it runs on.
         and (torch.compiler.is_compiling() or (x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0))
     )
 
 
 MAX_TILES_PER_SPLIT = 16  # K slices of at most 2048
-MAX_NORM_TILES_PER_SPLIT = 8  # with the norm, whose slice waits in shared memory: at most 1024
 
 
 @functools.cache
-def tma_rows_gemm_config(k: int, swiglu: bool, norm: bool = False) -> dict:
+def tma_rows_gemm_config(k: int, swiglu: bool) -> dict:
     """``split_k`` and ``num_stages`` for a weight of ``k`` columns: slices of at most 16 tiles (2048 of K), whatever
     N is, and a ring of 6 tiles (120 KB of shared memory), of 4 where K is split, of 2 with ``swiglu`` (two weight
     tiles a stage). Fitted to one model: on the Llama-3.2-1B shape's o, gate/up and down projections in a B=16
     replayed step (H100, ``probes/session_tma_rows_gemm_b16.py`` and ``session_tma_configs_b16.py``, entry 72) these
     were the fastest of the rings and splits tried, or within 3.3 µs a step of it (down in 8 slices): o one slice,
     ring 6 (4 slices, ring 4: 35 µs a step slower); gate/up with the SiLU-and-mul one slice, ring 2 (2 slices: 66 µs
-    slower); down 4 slices, ring 4 (2 slices, ring 6: 25 µs slower).
-
-    With the norm (``norm``) slices of at most 8 tiles, whose normalized input stays in shared memory (4 KB a tile),
-    and a ring of 4."""
+    slower); down 4 slices, ring 4 (2 slices, ring 6: 25 µs slower)."""
     tiles = k // BLOCK_K
-    split_k = triton.cdiv(tiles, MAX_NORM_TILES_PER_SPLIT if norm else MAX_TILES_PER_SPLIT)
+    split_k = triton.cdiv(tiles, MAX_TILES_PER_SPLIT)
     while tiles % split_k:
         split_k += 1
-    return dict(split_k=split_k, num_stages=2 if swiglu else 4 if split_k > 1 or norm else 6)
+    return dict(split_k=split_k, num_stages=2 if swiglu else 4 if split_k > 1 else 6)
 
 
 MAX_CACHED_DESCRIPTORS = 1024  # a model's weights: a few per layer
 _weight_descriptors: dict[tuple, object] = {}
 
 
-def _weight_descriptor(weight: torch.Tensor, box_rows: int):
-    """The weight's TMA descriptor of ``[box_rows, BLOCK_K]`` boxes, built once per address and layout: a weight
-    lives across calls, and building a descriptor is most of an eager call's added host time. Keyed by what the
-    descriptor holds (as ``common.cached_tile_descriptor``); it holds the address, not the tensor."""
-    key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, box_rows)
+def _weight_descriptor(weight: torch.Tensor):
+    """The weight's TMA descriptor, built once per address and layout: a weight lives across calls, and building a
+    descriptor is most of an eager call's added host time. Keyed by what the descriptor holds (as
+    ``common.cached_tile_descriptor``); it holds the address, not the tensor."""
+    key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype)
     descriptor = _weight_descriptors.get(key)
     if descriptor is None:
         if len(_weight_descriptors) >= MAX_CACHED_DESCRIPTORS:
@@ -379,7 +226,7 @@ def _weight_descriptor(weight: torch.Tensor, box_rows: int):
         layout = _shared_layout(weight.dtype, BLOCK_N)
         base = common._DeviceAddress(weight.data_ptr(), weight.dtype)
         descriptor = common.TensorDescriptor(
-            base, list(weight.shape), list(weight.stride()), [box_rows, BLOCK_K], layout
+            base, list(weight.shape), list(weight.stride()), [BLOCK_N, BLOCK_K], layout
         )
         _weight_descriptors[key] = descriptor
     return descriptor
@@ -399,11 +246,6 @@ def tma_rows_gemm(
     *,
     residual: torch.Tensor | None = None,
     swiglu: bool = False,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
-    rotated: int = 0,
     out: torch.Tensor | None = None,
     split_k: int | None = None,
     num_stages: int | None = None,
@@ -411,16 +253,12 @@ def tma_rows_gemm(
     """``x`` ``[M, K]``, ``weight`` ``[N, K]`` (:func:`supports`), ``bias`` ``[N]`` or None, ``residual`` ``[M, N]``
     with unit stride along N or None; returns ``out`` (``[M, N]`` contiguous, a new one if None). With ``swiglu``
     the weight's rows are a gate's and an up projection's, stacked, and ``out`` (``[M, N / 2]``) is
-    ``silu_and_mul(gate, up)`` of the two products. With ``norm_weight`` (``[K]``) the input is ``rms_norm(x,
-    norm_weight, eps)``; with ``cos`` and ``sin`` (``[M, D]`` at one row stride) the outputs ``[0, rotated)``, heads
-    of D with ``rotated`` a multiple of ``BLOCK_N``, get each row's rotary embedding (the Triton kernel's operands,
-    ``kernels/triton/rows_gemm.py``)."""
+    ``silu_and_mul(gate, up)`` of the two products."""
     (m, k), n = x.shape, weight.shape[0]
     n_out = n // 2 if swiglu else n
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
-    norm = norm_weight is not None
-    config = tma_rows_gemm_config(k, swiglu, norm)
+    config = tma_rows_gemm_config(k, swiglu)
     split_k = split_k or config["split_k"]
     num_stages = num_stages or config["num_stages"]
     tiles_per_split = k // BLOCK_K // split_k
@@ -429,24 +267,18 @@ def tma_rows_gemm(
     if split_k > 1:
         partial = scratch_buffer("rows_gemm_partials", split_k * MAX_ROWS * n, torch.float32, x.device)
         tickets = scratch_buffer("rows_gemm_tickets", blocks, torch.int32, x.device)
-    half = cos.shape[-1] // 2 if cos is not None else BLOCK_N // 2
-    w_desc = _weight_descriptor(weight, BLOCK_N if half == BLOCK_N // 2 else BLOCK_N // 2)
+    w_desc = _weight_descriptor(weight)
     x_desc = common.TensorDescriptor.from_tensor(x, [MAX_ROWS, BLOCK_K], _shared_layout(x.dtype, MAX_ROWS))
     use_pdl = uses_programmatic_launch(x.device)
-    unused = out  # stands in for the pointers the constexpr switches keep the kernel from reading
     _launch_tma_rows_gemm(
         (blocks, split_k, 1),
         (
-            out, w_desc, x_desc, bias if bias is not None else unused,
-            residual if residual is not None else unused, norm_weight if norm else unused,
-            cos if cos is not None else unused, sin if sin is not None else unused, partial, tickets, m, n_out,
-            residual.stride(0) if residual is not None else 0, cos.stride(0) if cos is not None else 0,
-            tiles_per_split, rotated // BLOCK_N, float(eps),
+            out, w_desc, x_desc, bias if bias is not None else out, residual if residual is not None else out,
+            partial, tickets, m, n_out, residual.stride(0) if residual is not None else 0, tiles_per_split,
         ),
         dict(
-            BLOCK_N=BLOCK_N, SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), SWIGLU=swiglu,
-            HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None, NORM=norm, NORM_K=k if norm else 0,
-            NORM_TILES=tiles_per_split if norm else 0, ROTARY=cos is not None, HALF=half, USE_PDL=use_pdl,
+            SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), SWIGLU=swiglu, HAS_BIAS=bias is not None,
+            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
         num_warps=4,
         num_stages=1,
