@@ -1,13 +1,15 @@
 """Issue 29: the MLP's RMSNorm as a scale after the gate/up GEMM, in a B=16 replayed step.
 
 A B=16 layer runs the o projection, then the add-and-norm kernel (the residual add after attention and the MLP's
-RMSNorm, one launch), then gate/up with the SiLU-and-mul, then down with the residual add. Entry 74 put the norm
-inside the TMA gate/up GEMM, normalizing each x tile before its MMA: +110 µs a step. Here the norm moves after the
-GEMM instead. Its weight is folded into the gate/up weight (``W * w`` along K, rounded to bf16 once, built here per
-layer) and each row's ``rsqrt(mean(x^2) + eps)`` multiplies the products in the epilogue
-(``tma_rows_gemm(row_rms_eps=)``); the squares are summed from the x tiles the ring already copies, while their MMAs
-run, so no MMA waits on the norm. The o projection adds the residual in its epilogue, and the add-and-norm launch
-goes. The roundings are not HF's: ``x * inv_rms`` and ``w * normalized`` are not rounded to bf16 before the GEMM.
+RMSNorm, one launch), then gate/up with the SiLU-and-mul, then down with the residual add. Entry 74 put the norm inside
+the TMA gate/up GEMM, normalizing each x tile before its MMA: +110 µs a step. Here the norm moves after the GEMM
+instead. Its weight is folded into the gate/up weight (``W * w`` along K, rounded to bf16 once, built here per layer)
+and each row's ``rsqrt(mean(x^2) + eps)`` multiplies the products in the epilogue (``tma_rows_gemm(row_rms_eps=)``). At
+0e8eb98 the squares were summed from the x tiles the ring copies, while their MMAs ran, with a barrier before each
+refill; since, each program loads all of x into registers after its wait and sums the squares after its loop, the loads
+in flight while the MMAs run. No MMA waits on the norm. The o projection adds the residual in its epilogue, and the add-
+and-norm launch goes. The roundings are not HF's: ``x * inv_rms`` and ``w * normalized`` are not rounded to bf16 before
+the GEMM.
 
 This probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and ``layer_kernels``, no compile) on
 ``bench_generate``'s model (bf16, 16 random 512-token prompts), the variants alternating over ``--rounds`` rounds:

@@ -42,6 +42,7 @@ if common.HAS_GLUON:
         out_ptr,  # [M, N_out], contiguous (a tensor first: CachedLauncher reads the device off it)
         w_desc,  # TMA descriptor over weight [N, K], [BLOCK_N, BLOCK_K] boxes
         x_desc,  # TMA descriptor over x [M, K], [MAX_ROWS, BLOCK_K] boxes
+        x_ptr,  # x itself, contiguous; read only when ROW_RMS
         bias_ptr,  # [N]; read only when HAS_BIAS
         residual_ptr,  # [M, N_out], unit stride along N; read only when HAS_RESIDUAL
         partial_ptr,  # [SPLIT_K, MAX_ROWS, N] fp32; used only when SPLIT_K > 1
@@ -58,6 +59,7 @@ if common.HAS_GLUON:
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
         ROW_RMS: gl.constexpr = False,  # a norm's scale after the GEMM: products times rsqrt(mean(x^2) + eps)
+        ROW_RMS_K: gl.constexpr = 1,  # K, a power of two, when ROW_RMS
     ):
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
@@ -95,7 +97,12 @@ if common.HAS_GLUON:
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-        squares = gl.zeros([BLOCK_M, BLOCK_K], gl.float32, rows_layout)
+        if ROW_RMS:  # all of x, loaded now and summed after the loop: the loads fly while the MMAs run
+            offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))
+            offs_k = gl.arange(0, ROW_RMS_K, layout=gl.SliceLayout(0, rows_layout))
+            x_all = gl.load(
+                x_ptr + offs_r[:, None] * ROW_RMS_K + offs_k[None, :], mask=(offs_r < m)[:, None], other=0.0
+            )
         for i in range(tiles_per_split):
             slot = i % NUM_STAGES
             mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
@@ -103,15 +110,10 @@ if common.HAS_GLUON:
             acc = warpgroup_mma(w_tiles.index(slot), x_tile, acc, is_async=True)
             if SWIGLU:
                 acc_up = warpgroup_mma(u_tiles.index(slot), x_tile, acc_up, is_async=True)
-            if ROW_RMS:  # the tile's squares, read while the MMAs run
-                x_rows = x_tiles.index(slot).load(rows_layout).to(gl.float32)
-                squares += x_rows * x_rows
             if SWIGLU:
                 acc, acc_up = warpgroup_mma_wait(0, deps=[acc, acc_up])
             else:
                 acc = warpgroup_mma_wait(0, deps=[acc])
-            if ROW_RMS:
-                common.partition_barrier()  # every warp has read the stage before the copy below refills it
             refill = i + NUM_STAGES
             if refill < tiles_per_split:
                 mbarrier.expect(ready.index(slot), stage_bytes)
@@ -128,7 +130,8 @@ if common.HAS_GLUON:
         mask = mask_n[:, None] & mask_m[None, :]
         tile = offs_m[None, :] * n_out + offs_n[:, None]  # out.T's tile in out
         if ROW_RMS:  # SPLIT_K == 1: the program saw all of K
-            inv_rms = gl.rsqrt(gl.sum(squares, axis=1) / (tiles_per_split * BLOCK_K) + eps)
+            x_all = x_all.to(gl.float32)
+            inv_rms = gl.rsqrt(gl.sum(x_all * x_all, axis=1) / ROW_RMS_K + eps)
             inv_rms = gl.convert_layout(inv_rms, gl.SliceLayout(0, mma))[None, :]
             acc = acc * inv_rms
             acc_up = acc_up * inv_rms
@@ -289,13 +292,14 @@ def tma_rows_gemm(
     _launch_tma_rows_gemm(
         (blocks, split_k, 1),
         (
-            out, w_desc, x_desc, bias if bias is not None else out, residual if residual is not None else out,
+            out, w_desc, x_desc, x, bias if bias is not None else out, residual if residual is not None else out,
             partial, tickets, m, n_out, residual.stride(0) if residual is not None else 0, tiles_per_split,
             float(row_rms_eps or 0.0),
         ),
         dict(
             SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), SWIGLU=swiglu, HAS_BIAS=bias is not None,
             HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl, ROW_RMS=row_rms_eps is not None,
+            ROW_RMS_K=k if row_rms_eps is not None else 1,
         ),
         num_warps=4,
         num_stages=1,
