@@ -42,7 +42,6 @@ if common.HAS_GLUON:
         out_ptr,  # [M, N_out], contiguous (a tensor first: CachedLauncher reads the device off it)
         w_desc,  # TMA descriptor over weight [N, K], [BLOCK_N, BLOCK_K] boxes
         x_desc,  # TMA descriptor over x [M, K], [MAX_ROWS, BLOCK_K] boxes
-        x_ptr,  # x itself, contiguous; read only when ROW_RMS
         bias_ptr,  # [N]; read only when HAS_BIAS
         residual_ptr,  # [M, N_out], unit stride along N; read only when HAS_RESIDUAL
         partial_ptr,  # [SPLIT_K, MAX_ROWS, N] fp32; used only when SPLIT_K > 1
@@ -51,15 +50,12 @@ if common.HAS_GLUON:
         n_out,  # N, or N / 2 with SWIGLU
         stride_residual_m,
         tiles_per_split,
-        eps,  # used only when ROW_RMS
         SPLIT_K: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         SWIGLU: gl.constexpr,  # weight rows [0, N_out) are the gate's, [N_out, N) the up's; out = silu_and_mul
         HAS_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
-        ROW_RMS: gl.constexpr = False,  # a norm's scale after the GEMM: products times rsqrt(mean(x^2) + eps)
-        ROW_RMS_K: gl.constexpr = 1,  # K, a power of two, when ROW_RMS
     ):
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
@@ -96,13 +92,6 @@ if common.HAS_GLUON:
         )
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-        rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [gl.num_warps(), 1], [1, 0])
-        if ROW_RMS:  # all of x, loaded now and summed after the loop: the loads fly while the MMAs run
-            offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, rows_layout))
-            offs_k = gl.arange(0, ROW_RMS_K, layout=gl.SliceLayout(0, rows_layout))
-            x_all = gl.load(
-                x_ptr + offs_r[:, None] * ROW_RMS_K + offs_k[None, :], mask=(offs_r < m)[:, None], other=0.0
-            )
         for i in range(tiles_per_split):
             slot = i % NUM_STAGES
             mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
@@ -110,7 +99,6 @@ if common.HAS_GLUON:
             acc = warpgroup_mma(w_tiles.index(slot), x_tile, acc, is_async=True)
             if SWIGLU:
                 acc_up = warpgroup_mma(u_tiles.index(slot), x_tile, acc_up, is_async=True)
-            if SWIGLU:
                 acc, acc_up = warpgroup_mma_wait(0, deps=[acc, acc_up])
             else:
                 acc = warpgroup_mma_wait(0, deps=[acc])
@@ -129,12 +117,6 @@ if common.HAS_GLUON:
         mask_n, mask_m = offs_n < n_out, offs_m < m
         mask = mask_n[:, None] & mask_m[None, :]
         tile = offs_m[None, :] * n_out + offs_n[:, None]  # out.T's tile in out
-        if ROW_RMS:  # SPLIT_K == 1: the program saw all of K
-            x_all = x_all.to(gl.float32)
-            inv_rms = gl.rsqrt(gl.sum(x_all * x_all, axis=1) / ROW_RMS_K + eps)
-            inv_rms = gl.convert_layout(inv_rms, gl.SliceLayout(0, mma))[None, :]
-            acc = acc * inv_rms
-            acc_up = acc_up * inv_rms
         if SPLIT_K > 1:
             n = n_out * (2 if SWIGLU else 1)
             partial_tile = offs_m[None, :] * n + offs_n[:, None]  # and in one split's partial
@@ -267,7 +249,6 @@ def tma_rows_gemm(
     out: torch.Tensor | None = None,
     split_k: int | None = None,
     num_stages: int | None = None,
-    row_rms_eps: float | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, K]``, ``weight`` ``[N, K]`` (:func:`supports`), ``bias`` ``[N]`` or None, ``residual`` ``[M, N]``
     with unit stride along N or None; returns ``out`` (``[M, N]`` contiguous, a new one if None). With ``swiglu``
@@ -292,14 +273,12 @@ def tma_rows_gemm(
     _launch_tma_rows_gemm(
         (blocks, split_k, 1),
         (
-            out, w_desc, x_desc, x, bias if bias is not None else out, residual if residual is not None else out,
+            out, w_desc, x_desc, bias if bias is not None else out, residual if residual is not None else out,
             partial, tickets, m, n_out, residual.stride(0) if residual is not None else 0, tiles_per_split,
-            float(row_rms_eps or 0.0),
         ),
         dict(
             SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), SWIGLU=swiglu, HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl, ROW_RMS=row_rms_eps is not None,
-            ROW_RMS_K=k if row_rms_eps is not None else 1,
+            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
         num_warps=4,
         num_stages=1,
