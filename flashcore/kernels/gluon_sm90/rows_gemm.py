@@ -40,7 +40,7 @@ if common.HAS_GLUON:
     @gluon.jit
     def _tma_rows_gemm_kernel(
         out_ptr,  # [M, N_out], contiguous (a tensor first: CachedLauncher reads the device off it)
-        w_desc,  # TMA descriptor over weight [N, K], [BLOCK_N, BLOCK_K] boxes ([BLOCK_N / 2, BLOCK_K] if PAIRED)
+        w_desc,  # TMA descriptor over weight [N, K], [BLOCK_N, BLOCK_K] boxes
         x_desc,  # TMA descriptor over x [M, K], [MAX_ROWS, BLOCK_K] boxes
         bias_ptr,  # [N]; read only when HAS_BIAS
         residual_ptr,  # [M, N_out], unit stride along N; read only when HAS_RESIDUAL
@@ -56,16 +56,14 @@ if common.HAS_GLUON:
         HAS_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
-        PAIRED: gl.constexpr = False,  # SWIGLU, one slice: a tile of BLOCK_N / 2 gate rows and their up rows
     ):
-        BOX_N: gl.constexpr = w_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = 2 * BOX_N if PAIRED else BOX_N
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
-        UP_STAGES: gl.constexpr = NUM_STAGES if SWIGLU and not PAIRED else 1
+        UP_STAGES: gl.constexpr = NUM_STAGES if SWIGLU else 1
         block = gl.program_id(0)
         split = gl.program_id(1)
-        row0 = block * BOX_N
+        row0 = block * BLOCK_N
         k0 = split * tiles_per_split * BLOCK_K
         w_tiles = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         u_tiles = gl.allocate_shared_memory(w_desc.dtype, [UP_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
@@ -74,14 +72,14 @@ if common.HAS_GLUON:
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(stage), count=1)
         stage_bytes: gl.constexpr = (2 if SWIGLU else 1) * w_desc.block_type.nbytes + x_desc.block_type.nbytes
-        SEPARATE_UP: gl.constexpr = SWIGLU and not PAIRED
 
         # The first stages' weight tiles, while the kernel before may still run; x after the wait.
         for stage in gl.static_range(NUM_STAGES):
             if stage < tiles_per_split:
                 mbarrier.expect(ready.index(stage), stage_bytes)
-                _load_weight(w_desc, row0, n_out, k0 + stage * BLOCK_K, ready.index(stage), w_tiles.index(stage),
-                             u_tiles.index(stage if SEPARATE_UP else 0), SWIGLU, PAIRED)  # fmt: skip
+                tma_load(w_desc, [row0, k0 + stage * BLOCK_K], ready.index(stage), w_tiles.index(stage))
+                if SWIGLU:
+                    tma_load(w_desc, [n_out + row0, k0 + stage * BLOCK_K], ready.index(stage), u_tiles.index(stage))
         if USE_PDL:
             common.wait_for_previous_grid()
             common.launch_dependents()
@@ -99,7 +97,7 @@ if common.HAS_GLUON:
             mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
             x_tile = x_tiles.index(slot).permute((1, 0))
             acc = warpgroup_mma(w_tiles.index(slot), x_tile, acc, is_async=True)
-            if SEPARATE_UP:
+            if SWIGLU:
                 acc_up = warpgroup_mma(u_tiles.index(slot), x_tile, acc_up, is_async=True)
                 acc, acc_up = warpgroup_mma_wait(0, deps=[acc, acc_up])
             else:
@@ -107,15 +105,13 @@ if common.HAS_GLUON:
             refill = i + NUM_STAGES
             if refill < tiles_per_split:
                 mbarrier.expect(ready.index(slot), stage_bytes)
-                _load_weight(w_desc, row0, n_out, k0 + refill * BLOCK_K, ready.index(slot), w_tiles.index(slot),
-                             u_tiles.index(slot if SEPARATE_UP else 0), SWIGLU, PAIRED)  # fmt: skip
+                tma_load(w_desc, [row0, k0 + refill * BLOCK_K], ready.index(slot), w_tiles.index(slot))
+                if SWIGLU:
+                    tma_load(w_desc, [n_out + row0, k0 + refill * BLOCK_K], ready.index(slot), u_tiles.index(slot))
                 tma_load(x_desc, [0, k0 + refill * BLOCK_K], ready.index(slot), x_tiles.index(slot))
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(stage))
 
-        if PAIRED:  # SPLIT_K == 1
-            _store_pairs(acc, bias_ptr, out_ptr, row0, m, n_out, HAS_BIAS)
-            return
         offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
         mask_n, mask_m = offs_n < n_out, offs_m < m
@@ -143,43 +139,6 @@ if common.HAS_GLUON:
         else:
             _store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
                           stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
-
-    @gluon.jit
-    def _load_weight(w_desc, row0, n_out, col, bar, w_tile, u_tile, SWIGLU: gl.constexpr, PAIRED: gl.constexpr):
-        """One stage's weight: the tile's rows from ``row0`` and, with ``SWIGLU``, the up rows of the same outputs,
-        into ``u_tile`` or (``PAIRED``) into the second half of ``w_tile``, whose first half takes the gate rows."""
-        if PAIRED:
-            BOX_N: gl.constexpr = w_desc.block_type.shape[0]
-            tma_load(w_desc, [row0, col], bar, w_tile.slice(0, BOX_N))
-            tma_load(w_desc, [n_out + row0, col], bar, w_tile.slice(BOX_N, BOX_N))
-        else:
-            tma_load(w_desc, [row0, col], bar, w_tile)
-            if SWIGLU:
-                tma_load(w_desc, [n_out + row0, col], bar, u_tile)
-
-    @gluon.jit
-    def _store_pairs(acc, bias_ptr, out_ptr, row0, m, n_out, HAS_BIAS: gl.constexpr):
-        """The ``PAIRED`` epilogue: ``acc`` (fp32, ``[BLOCK_N, BLOCK_M]``) holds the gate's products of
-        ``BLOCK_N / 2`` outputs from ``row0``, then the up's; they meet through shared memory, and ``_store_output``'s
-        roundings give ``silu_and_mul(gate, up)``."""
-        BLOCK_N: gl.constexpr = acc.shape[0]
-        BLOCK_M: gl.constexpr = acc.shape[1]
-        HALF_N: gl.constexpr = BLOCK_N // 2
-        staged = gl.allocate_shared_memory(gl.float32, [BLOCK_N, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-        staged.store(acc)
-        common.partition_barrier()
-        halves: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [gl.num_warps(), 1], [1, 0])
-        gate = staged.slice(0, HALF_N).load(halves)
-        up = staged.slice(HALF_N, HALF_N).load(halves)
-        offs_n = row0 + gl.arange(0, HALF_N, layout=gl.SliceLayout(1, halves))
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, halves))
-        mask_n = offs_n < n_out
-        if HAS_BIAS:
-            gate += gl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(gl.float32)[:, None]
-            up += gl.load(bias_ptr + n_out + offs_n, mask=mask_n, other=0.0).to(gl.float32)[:, None]
-        dtype: gl.constexpr = out_ptr.dtype.element_ty
-        out = _silu_and_mul(gate.to(dtype), up.to(dtype))
-        gl.store(out_ptr + offs_m[None, :] * n_out + offs_n[:, None], out, mask=mask_n[:, None] & (offs_m < m)[None, :])
 
     @gluon.jit
     def _silu_and_mul(gate, up):
@@ -248,18 +207,18 @@ def tma_rows_gemm_config(k: int, swiglu: bool) -> dict:
     split_k = triton.cdiv(tiles, MAX_TILES_PER_SPLIT)
     while tiles % split_k:
         split_k += 1
-    return dict(split_k=split_k, num_stages=2 if swiglu else 4 if split_k > 1 else 6, pairs=False, paired_stages=4)
+    return dict(split_k=split_k, num_stages=2 if swiglu else 4 if split_k > 1 else 6)
 
 
 MAX_CACHED_DESCRIPTORS = 1024  # a model's weights: a few per layer
 _weight_descriptors: dict[tuple, object] = {}
 
 
-def _weight_descriptor(weight: torch.Tensor, box_rows: int = BLOCK_N):
+def _weight_descriptor(weight: torch.Tensor):
     """The weight's TMA descriptor, built once per address and layout: a weight lives across calls, and building a
     descriptor is most of an eager call's added host time. Keyed by what the descriptor holds (as
     ``common.cached_tile_descriptor``); it holds the address, not the tensor."""
-    key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, box_rows)
+    key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype)
     descriptor = _weight_descriptors.get(key)
     if descriptor is None:
         if len(_weight_descriptors) >= MAX_CACHED_DESCRIPTORS:
@@ -267,7 +226,7 @@ def _weight_descriptor(weight: torch.Tensor, box_rows: int = BLOCK_N):
         layout = _shared_layout(weight.dtype, BLOCK_N)
         base = common._DeviceAddress(weight.data_ptr(), weight.dtype)
         descriptor = common.TensorDescriptor(
-            base, list(weight.shape), list(weight.stride()), [box_rows, BLOCK_K], layout
+            base, list(weight.shape), list(weight.stride()), [BLOCK_N, BLOCK_K], layout
         )
         _weight_descriptors[key] = descriptor
     return descriptor
@@ -290,7 +249,6 @@ def tma_rows_gemm(
     out: torch.Tensor | None = None,
     split_k: int | None = None,
     num_stages: int | None = None,
-    pairs: bool | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, K]``, ``weight`` ``[N, K]`` (:func:`supports`), ``bias`` ``[N]`` or None, ``residual`` ``[M, N]``
     with unit stride along N or None; returns ``out`` (``[M, N]`` contiguous, a new one if None). With ``swiglu``
@@ -301,16 +259,15 @@ def tma_rows_gemm(
     if out is None:
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     config = tma_rows_gemm_config(k, swiglu)
-    paired = swiglu and (config["pairs"] if pairs is None else pairs)
-    split_k = 1 if paired else split_k or config["split_k"]
-    num_stages = num_stages or (config["paired_stages"] if paired else config["num_stages"])
+    split_k = split_k or config["split_k"]
+    num_stages = num_stages or config["num_stages"]
     tiles_per_split = k // BLOCK_K // split_k
-    blocks = triton.cdiv(n_out, BLOCK_N // 2 if paired else BLOCK_N)
+    blocks = triton.cdiv(n_out, BLOCK_N)
     partial, tickets = out, out
     if split_k > 1:
         partial = scratch_buffer("rows_gemm_partials", split_k * MAX_ROWS * n, torch.float32, x.device)
         tickets = scratch_buffer("rows_gemm_tickets", blocks, torch.int32, x.device)
-    w_desc = _weight_descriptor(weight, BLOCK_N // 2 if paired else BLOCK_N)
+    w_desc = _weight_descriptor(weight)
     x_desc = common.TensorDescriptor.from_tensor(x, [MAX_ROWS, BLOCK_K], _shared_layout(x.dtype, MAX_ROWS))
     use_pdl = uses_programmatic_launch(x.device)
     _launch_tma_rows_gemm(
@@ -321,7 +278,7 @@ def tma_rows_gemm(
         ),
         dict(
             SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), SWIGLU=swiglu, HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl, PAIRED=paired,
+            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
         num_warps=4,
         num_stages=1,
