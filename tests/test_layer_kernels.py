@@ -461,7 +461,7 @@ def test_rows_gemm_op_writes_its_out_and_compiles_to_eager_bits(device, generato
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "n, k, rows", [(64, 100, 3), (300, 2500, 16), (3072, 2048, 16)]
-)  # 2500: split K, a ragged last tile; 3072 x 2048: the Llama-3.2-1B q/k/v, 2 slices of one 64 x 1024 tile on an H100
+)  # 2500: split K, a ragged last tile; 3072 x 2048: the Llama-3.2-1B q/k/v (the tiles: see the rotary test below)
 def test_rows_gemm_folds_the_rms_norm(n, k, rows, dtype, device, generator):
     """``rows_gemm(x, W, norm_weight=w, eps=e)`` against fp64 ``rms_norm(x, w, e) @ W.T`` per row, the norm's output
     taken from :func:`layer_ops.rms_norm` (checked against ``LlamaRMSNorm`` above). As in the GEMV, the kernel sums
@@ -490,10 +490,10 @@ def test_rows_gemm_folds_the_rms_norm(n, k, rows, dtype, device, generator):
     "heads, head_dim, k, rows",
     [((9, 3), 64, 96, 5), ((4, 2), 32, 2500, 16), ((2, 1), 128, 64, 2), ((32, 8), 64, 2048, 16)],
 )  # SmolLM2's heads; D 32 (two heads a program); D 128 (half a head a program); K 2500 split; the Llama-3.2-1B q/k/v
-# (2 slices of one 64 x 1024 tile on an H100)
+# (with the norm on an H100: 2 slices of one 64 x 1024 tile in fp16/bf16, of two 64 x 512 tiles in fp32)
 @pytest.mark.parametrize("with_norm", [False, True], ids=["no_norm", "norm"])
 def test_rows_gemm_folds_the_rotary_embedding(heads, head_dim, k, rows, with_norm, dtype, device, generator):
-    """``rows_gemm(..., cos=, sin=, rotated=)`` gives the bits of the GEMM, then
+    """``rows_gemm(..., cos=, sin=, rotated=)`` gives the bits of the same kernel's GEMM, then
     :func:`layer_ops.apply_rotary_embedding` (checked against HF's ``apply_rotary_pos_emb`` above) on its q and k
     rows, each row at its own position; the v rows untouched: the q/k/v projection of a decode step of ``rows``
     rows, with the layer's norm folded in or not.
@@ -516,7 +516,10 @@ def test_rows_gemm_folds_the_rotary_embedding(heads, head_dim, k, rows, with_nor
     def heads_of(projected):  # [B, 1, H * D] -> [B, H, 1, D], as HF's attention views its projections
         return projected.view(rows, 1, -1, head_dim).transpose(1, 2)
 
-    plain = layer_ops.rows_gemm(x, weight, bias, **norm).split(sizes, dim=-1)
+    # The plain product of the kernel that rotates: on an H100 a bf16/fp16 call without the norm or the rotation runs
+    # on the TMA kernel (rows_gemm_streams), whose sums run in another order.
+    plain = rows_gemm_kernels.rows_gemm_triton(x.view(rows, k), weight, bias, **norm).view(rows, 1, -1)
+    plain = plain.split(sizes, dim=-1)
     query, key = layer_ops.apply_rotary_embedding(heads_of(plain[0]), heads_of(plain[1]), cos, sin)
     expected = torch.cat([t.transpose(1, 2).reshape(rows, 1, -1) for t in (query, key, heads_of(plain[2]))], dim=-1)
     if device.type == "cuda":

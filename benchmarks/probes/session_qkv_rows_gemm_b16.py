@@ -49,8 +49,8 @@ QKV_SHAPE = (3072, 2048)  # bench_generate's model, fused
 
 
 def with_qkv_tiles(config, block_k: int, num_warps: int):
-    def replaced(n: int, k: int, device, norm: bool = False):
-        tiles = config(n, k, device, norm)
+    def replaced(n: int, k: int, device, norm: bool = False, element_size: int = 2):
+        tiles = config(n, k, device, norm, element_size)
         if (n, k) == QKV_SHAPE:
             tiles = dict(tiles, block_k=block_k, num_warps=num_warps)
         return tiles

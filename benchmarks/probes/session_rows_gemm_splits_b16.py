@@ -48,8 +48,8 @@ def timed_session(model, input_ids, replaced: tuple | None) -> dict:
     if replaced is not None:
         shape, tiles = replaced
 
-        def with_tiles(n: int, k: int, device, norm: bool = False) -> dict:
-            shipped = config(n, k, device, norm)
+        def with_tiles(n: int, k: int, device, norm: bool = False, element_size: int = 2) -> dict:
+            shipped = config(n, k, device, norm, element_size)
             return dict(shipped, **tiles) if (n, k) == shape else shipped
 
         rows_gemm_kernels.rows_gemm_config = with_tiles

@@ -227,7 +227,7 @@ _launch_rows_gemm = CachedLauncher(_rows_gemm_kernel)
 
 
 @functools.cache
-def rows_gemm_config(n: int, k: int, device: torch.device, norm: bool = False) -> dict:
+def rows_gemm_config(n: int, k: int, device: torch.device, norm: bool = False, element_size: int = 2) -> dict:
     """``block_n``, ``block_k``, ``split_k`` and ``num_warps`` for an ``[n, k]`` weight: 64 weight rows and 128 of K
     per tile at 4 warps, one pipeline stage, and the fewest K slices (a divisor of K's tile count) that give every
     SM a program. Entry 61's best variant on the Llama-3.2-1B shape (H100; ``probes/session_splitk_gemm_b16.py``):
@@ -242,7 +242,8 @@ def rows_gemm_config(n: int, k: int, device: torch.device, norm: bool = False) -
     ``probes/session_qkv_rows_gemm_b16.py`` and ``session_rows_gemm_splits_b16.py``, entries 68 and 71), against
     cuBLAS with the norm's and RoPE's launches: 2 slices of 64 x 1024 (96 programs) 8 µs shorter than 4 of 64 x 512,
     which were 16-19 µs shorter than cuBLAS; 64 x 128 tiles 44-47 µs longer, 8 slices of 64 x 256 67 µs longer
-    than 4."""
+    than 4. The tiles were fitted in bf16; a tile of 4-byte elements is at most 64 x 512 (the dot stages both
+    operands in shared memory: a 64 x 1024 fp32 tile and its inputs need 320 KB, past the H100's 227 KB)."""
     block_n, block_k = BLOCK_N, 128
     blocks, steps = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     splits = [s for s in range(1, steps + 1) if steps % s == 0]
@@ -250,7 +251,8 @@ def rows_gemm_config(n: int, k: int, device: torch.device, norm: bool = False) -
         wanted = max(1, num_sms(device) // 2)
         split_k = next((s for s in splits if blocks * s >= wanted and steps // s <= 8), splits[-1])
         tiles = steps // split_k
-        block_k *= next(t for t in (8, 4, 2, 1) if tiles % t == 0)  # whole tiles of the slice, a power of two
+        widest = 8 if element_size <= 2 else 4
+        block_k *= next(t for t in (8, 4, 2, 1) if t <= widest and tiles % t == 0)  # whole tiles, a power of two
         return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=8 if block_k >= 1024 else 4)
     split_k = next((s for s in splits if blocks * s >= num_sms(device)), splits[-1])
     return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4)
@@ -279,7 +281,7 @@ def rows_gemm_triton(
     (m, k), n = x.shape, weight.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    config = rows_gemm_config(n, k, x.device, norm_weight is not None)
+    config = rows_gemm_config(n, k, x.device, norm_weight is not None, x.element_size())
     block_n, block_k, split_k = config["block_n"], config["block_k"], config["split_k"]
     k_per_split = triton.cdiv(k, block_k) // split_k * block_k
     blocks = triton.cdiv(n, block_n)
