@@ -373,7 +373,7 @@ def _run_rows_gemm(x, up, weight, bias, residual, norm_weight, eps, cos, sin, ro
         tma_rows_gemm_kernels.tma_rows_gemm(x, weight, bias, residual=residual, swiglu=swiglu, out=out)
     elif swiglu:
         gate, up = rows_gemm_kernels.rows_gemm_triton(x, weight, bias).chunk(2, dim=-1)
-        out.copy_(layer_kernels.silu_and_mul_triton(gate, up))
+        layer_kernels.silu_and_mul_triton(gate, up, out=out)
     else:
         rows_gemm_kernels.rows_gemm_triton(
             x, weight, bias, up=up, residual=residual, norm_weight=norm_weight, eps=eps, cos=cos, sin=sin,

@@ -345,10 +345,6 @@ def _launch_plan(batch_kv_heads: int, capacity: int, group: int, head_dim: int, 
 # An eager call's bound launch (launch.BoundLaunch), per call shape and cache: the host time of an eager decode call
 # is its cost (NOTES.md, entry 40). The key is everything the launch's arguments depend on besides the addresses of
 # the per-call tensors (q, k, v, seq_lens, query_lens, out), the positions of which are _VARYING.
-# With one KV split a program (one per row and KV head) releases the next kernel right after its wait, as the other
-# kernels do, so that a model's o projection starts streaming its weight during the attention; before entry 75 it
-# released it only by finishing. ``probes/session_decode_release_b16.py`` sets it.
-ONE_SPLIT_RELEASES = True
 
 MAX_BOUND_LAUNCHES = 4096  # per live cache two layers' worth each; a new cache adds its own
 _bound_launches: dict[tuple, object] = {}
@@ -437,7 +433,9 @@ def _launch(
         USE_PDL=use_pdl,
         NUM_WARPS=CONFIG.num_consumer_warps,
         WAIT_FIRST=wait_first,
-        RELEASE_AFTER_WAIT=(num_splits > 1 and not merge_in_launch) or (num_splits == 1 and ONE_SPLIT_RELEASES),
+        # Released right after the wait, as the other kernels release theirs, so that a model's o projection streams
+        # its weight during the attention (NOTES.md, entry 75); a merge in the launch ends the attention only after it.
+        RELEASE_AFTER_WAIT=num_splits == 1 or not merge_in_launch,
     )
     options = dict(
         num_warps=CONFIG.num_consumer_warps, num_stages=CONFIG.num_stages, launch_pdl=use_pdl,

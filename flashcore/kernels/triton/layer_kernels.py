@@ -236,10 +236,12 @@ def _launch_norm(x, residual, weight, eps, sum_out, out) -> None:
     )  # fmt: skip
 
 
-def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``gate``, ``up``: ``[rows, width]`` with unit stride along width; returns a contiguous ``[rows, width]``."""
+def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gate``, ``up``: ``[rows, width]`` with unit stride along width; returns ``out``, a contiguous ``[rows,
+    width]`` (a new one if None)."""
     rows, width = gate.shape
-    out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)
+    if out is None:
+        out = torch.empty((rows, width), dtype=gate.dtype, device=gate.device)
     block = min(1024, triton.next_power_of_2(width))
     use_pdl = uses_programmatic_launch(gate.device)
     _launch_silu_and_mul(
