@@ -149,7 +149,10 @@ def mlp_forward(
         and layer_ops.rows_gemm_streams(x, fused.weight, swiglu=True)
     ):
         # The few-row GEMM's TMA kernel computes the SiLU-and-mul in its epilogue: the down projection is then a plain
-        # GEMM, with the residual add in its own epilogue (NOTES.md, entry 72).
+        # GEMM, with the residual add in its own epilogue (NOTES.md, entry 72); one launch where rows_mlp_fuses.
+        down = self.down_proj
+        if _is_plain_linear(down) and layer_ops.rows_mlp_fuses(x, fused.weight, down.weight):
+            return layer_ops.rows_mlp(x, fused.weight, fused.bias, down.weight, down.bias, residual=residual)
         activated = layer_ops.rows_gemm(x, fused.weight, fused.bias, swiglu=True)
         return _project_residual(self, activated, "down_proj", residual)
     (gate, up), _ = _project(self, x, ("gate_proj", "up_proj"), norm)

@@ -430,6 +430,86 @@ def test_rows_gemm_swiglu_gives_the_gemm_then_silu_and_mul(n, k, rows, with_bias
     assert torch.equal(activated, layer_ops.silu_and_mul(gate, up))
 
 
+# On the CPU rows_mlp runs the two calls it is compared with: the shapes that only the one-launch kernel splits
+# differently (K slices of the down projection) run on the GPU, where each takes seconds, not the interpreter's minute.
+ONE_LAUNCH_SHAPES = pytest.mark.skipif(not ON_GPU, reason="on the CPU rows_mlp is the two calls it is compared with")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "hidden, intermediate, rows",
+    [
+        (256, 512, 3),
+        (384, 2048, 16),
+        pytest.param(1024, 4096, 5, marks=ONE_LAUNCH_SHAPES),  # the down projection in 2 K slices
+        pytest.param(2048, 8192, 16, marks=ONE_LAUNCH_SHAPES),  # the Llama-3.2-1B MLP: 4 K slices
+    ],
+)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_rows_mlp_gives_the_two_rows_gemm_calls_bits(hidden, intermediate, rows, with_bias, dtype, device, generator):
+    """``rows_mlp`` is ``rows_gemm(x, W_gate_up, swiglu=True)`` then ``rows_gemm(., W_down, residual=r)``, to the
+    bit, whether it runs as one launch (``rows_mlp_fuses``: an sm_90 GPU in fp16/bf16) or as those two calls; their
+    kernels are checked against fp64 above. The tokens of a patched model: ``test_decode_session.py``."""
+    x = randn((rows, 1, hidden), generator=generator, dtype=dtype, device=device)
+    gate_up = randn((2 * intermediate, hidden), generator=generator, dtype=dtype, device=device) / hidden**0.5
+    down = randn((hidden, intermediate), generator=generator, dtype=dtype, device=device) / intermediate**0.5
+    gate_up_bias = randn((2 * intermediate,), generator=generator, dtype=dtype, device=device) if with_bias else None
+    down_bias = randn((hidden,), generator=generator, dtype=dtype, device=device) if with_bias else None
+    residual = randn((rows, 1, hidden), generator=generator, dtype=dtype, device=device)
+    on_tma = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and dtype != torch.float32
+    assert layer_ops.rows_mlp_fuses(x, gate_up, down) == on_tma
+
+    for _ in range(2):  # the second call finds the counters the first left behind
+        out = layer_ops.rows_mlp(x, gate_up, gate_up_bias, down, down_bias, residual=residual)
+        plain = layer_ops.rows_mlp(x, gate_up, gate_up_bias, down, down_bias)
+
+        activated = layer_ops.rows_gemm(x, gate_up, gate_up_bias, swiglu=True)
+        assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
+        assert torch.equal(out, layer_ops.rows_gemm(activated, down, down_bias, residual=residual))
+        assert torch.equal(plain, layer_ops.rows_gemm(activated, down, down_bias))
+
+
+def test_rows_mlp_errors_name_the_argument_and_the_fix(device, generator):
+    x = randn((4, 64), generator=generator, dtype=torch.float32, device=device)
+    gate_up = randn((256, 64), generator=generator, dtype=torch.float32, device=device)
+    down = randn((64, 128), generator=generator, dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match=r"rows_mlp takes 1 to 16 rows: .*got shape \(17, 64\)"):
+        layer_ops.rows_mlp(x.repeat(5, 1)[:17], gate_up, None, down)
+    with pytest.raises(ValueError, match=r"gate_up_weight must be \[2 I, H\] with H = x.shape\[-1\] = 64"):
+        layer_ops.rows_mlp(x, gate_up[:255], None, down)
+    with pytest.raises(ValueError, match=r"down_weight must be \[H, I\] = \[64, 128\], got \(128, 64\)"):
+        layer_ops.rows_mlp(x, gate_up, None, down.T)
+    with pytest.raises(ValueError, match=r"down_bias must be \[64\] or None, got \(128,\)"):
+        layer_ops.rows_mlp(x, gate_up, None, down, down[0])
+    with pytest.raises(ValueError, match=r"residual must be \[4, 64\] or None"):
+        layer_ops.rows_mlp(x, gate_up, None, down, residual=x[:3])
+    with pytest.raises(TypeError, match="down_weight dtype torch.float16 must match x"):
+        layer_ops.rows_mlp(x, gate_up, None, down.half())
+    with pytest.raises(ValueError, match="down_weight must have unit stride"):
+        layer_ops.rows_mlp(x, gate_up, None, down.T.contiguous().T)
+
+
+def test_rows_mlp_op_compiles_to_eager_bits(device, generator):
+    """Under ``torch.compile`` the MLP runs as the custom op ``flashcore::rows_mlp``, writing an ``out`` the caller
+    allocates: opcheck checks that claim, and a fullgraph compile of two MLPs gives the eager bits."""
+    rows, hidden, intermediate = 3, 64, 128
+    x = randn((rows, hidden), generator=generator, dtype=torch.float32, device=device)
+    gate_up = randn((2 * intermediate, hidden), generator=generator, dtype=torch.float32, device=device) / 8
+    down = randn((hidden, intermediate), generator=generator, dtype=torch.float32, device=device) / 11
+    bias = randn((hidden,), generator=generator, dtype=torch.float32, device=device)
+    out = torch.empty(rows, hidden, device=device)
+    op = torch.ops.flashcore.rows_mlp.default
+    torch.library.opcheck(op, (x, gate_up, None, down, bias, x, out))
+
+    def two_mlps(hidden_states):
+        for _ in range(2):
+            hidden_states = layer_ops.rows_mlp(hidden_states, gate_up, None, down, bias, residual=hidden_states)
+        return hidden_states
+
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(two_mlps, fullgraph=True)(x), two_mlps(x))
+
+
 def test_rows_gemm_op_writes_its_out_and_compiles_to_eager_bits(device, generator):
     """Under ``torch.compile`` the few-row GEMM runs as the custom op ``flashcore::rows_gemm``, which writes into an
     ``out`` the caller allocates, as the GEMVs do; opcheck checks that claim, the fake and functionalization, and a
