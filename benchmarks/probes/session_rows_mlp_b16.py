@@ -3,7 +3,8 @@ few-row GEMM launches that ship (gate/up with the SiLU-and-mul, then the down pr
 
 The one-launch kernel runs both projections as two phases of one 128-program grid: each program's down-projection
 work item starts as soon as the 32 gate/up blocks of its K slice are written, and its first weight tiles are copied
-while the gate/up phase runs (after that phase's loop, or at the kernel's start with ``early_down``). This probe
+while the gate/up phase runs (after that phase's loop, or at the kernel's start with ``early_down``); the other
+variants change the two phases' rings (2 and 4 shipped; shared memory allows 227 KB, 155 KB at 2 and 4). This probe
 times a ``DecodeSession``'s replayed step (``fuse_projections`` and ``layer_kernels``, no compile) on
 ``bench_generate``'s model (bf16, 16 random 512-token prompts), the variants alternating over ``--rounds`` rounds,
 each set while the session is built and captured.
@@ -25,18 +26,21 @@ import harness  # noqa: E402
 from flashcore import layer_ops  # noqa: E402
 from flashcore.kernels.gluon_sm90 import rows_mlp  # noqa: E402
 
-VARIANTS = {  # name: (one launch, early_down)
-    "two_launches": (False, False),
-    "one_launch": (True, False),
-    "one_launch_early_down": (True, True),
+VARIANTS = {  # name: (one launch, {tma_rows_mlp's options})
+    "two_launches": (False, {}),
+    "one_launch": (True, {}),
+    "one_launch_early_down": (True, {"early_down": True}),
+    "one_launch_down_ring6": (True, {"down_stages": 6}),
+    "one_launch_gate_up_ring3": (True, {"gate_up_stages": 3}),
+    "one_launch_gate_up_ring3_down_ring5": (True, {"gate_up_stages": 3, "down_stages": 5}),
 }
 
 
-def timed_session(model, input_ids, fuse: bool, early_down: bool) -> dict:
+def timed_session(model, input_ids, fuse: bool, options: dict) -> dict:
     run, fused_before = rows_mlp.tma_rows_mlp, layer_ops.FUSE_MLP
 
     def with_option(*args, **kwargs):
-        return run(*args, early_down=early_down, **kwargs)
+        return run(*args, **options, **kwargs)
 
     rows_mlp.tma_rows_mlp, layer_ops.FUSE_MLP = with_option, fuse
     try:

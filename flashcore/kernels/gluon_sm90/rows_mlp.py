@@ -274,6 +274,8 @@ def tma_rows_mlp(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     early_down: bool = False,
+    gate_up_stages: int | None = None,
+    down_stages: int | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, H]`` and the weights as :func:`supports` takes them, biases or None, ``residual`` ``[M, H]`` with
     unit stride along H or None; returns ``out`` (``[M, H]`` contiguous, a new one if None):
@@ -307,8 +309,8 @@ def tma_rows_mlp(
             down_tiles_per_split,
         ),
         dict(
-            DOWN_SPLIT=split, GATE_UP_STAGES=min(config["gate_up_stages"], hidden // BLOCK_K),
-            DOWN_STAGES=min(config["down_stages"], down_tiles_per_split), EARLY_DOWN=early_down,
+            DOWN_SPLIT=split, GATE_UP_STAGES=min(gate_up_stages or config["gate_up_stages"], hidden // BLOCK_K),
+            DOWN_STAGES=min(down_stages or config["down_stages"], down_tiles_per_split), EARLY_DOWN=early_down,
             HAS_GATE_UP_BIAS=gate_up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
             HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
