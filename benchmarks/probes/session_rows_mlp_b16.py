@@ -4,8 +4,9 @@ few-row GEMM launches that ship (gate/up with the SiLU-and-mul, then the down pr
 The one-launch kernel runs both projections as two phases of one 128-program grid: each program's down-projection
 work item starts as soon as the 32 gate/up blocks of its K slice are written, and its first weight tiles are copied
 while the gate/up phase runs (after that phase's loop, or at the kernel's start with ``early_down``); the other
-variants change the two phases' rings (2 and 4 shipped; shared memory allows 227 KB, 155 KB at 2 and 4). This probe
-times a ``DecodeSession``'s replayed step (``fuse_projections`` and ``layer_kernels``, no compile) on
+variants change the two phases' rings (2 and 4 shipped; shared memory allows 227 KB, 155 KB at 2 and 4) and how
+many of the down projection's first tiles are copied before its wait (``down_prefetch``, all of its ring shipped).
+This probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and ``layer_kernels``, no compile) on
 ``bench_generate``'s model (bf16, 16 random 512-token prompts), the variants alternating over ``--rounds`` rounds,
 each set while the session is built and captured.
 
@@ -33,6 +34,10 @@ VARIANTS = {  # name: (one launch, {tma_rows_mlp's options})
     "one_launch_down_ring6": (True, {"down_stages": 6}),
     "one_launch_gate_up_ring3": (True, {"gate_up_stages": 3}),
     "one_launch_gate_up_ring3_down_ring5": (True, {"gate_up_stages": 3, "down_stages": 5}),
+    "one_launch_down_prefetch0": (True, {"down_prefetch": 0}),
+    "one_launch_down_prefetch1": (True, {"down_prefetch": 1}),
+    "one_launch_down_prefetch2": (True, {"down_prefetch": 2}),
+    "one_launch_down_ring6_prefetch2": (True, {"down_stages": 6, "down_prefetch": 2}),
 }
 
 

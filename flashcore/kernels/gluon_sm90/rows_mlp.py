@@ -68,6 +68,7 @@ if common.HAS_GLUON:
         GATE_UP_STAGES: gl.constexpr,
         DOWN_STAGES: gl.constexpr,
         EARLY_DOWN: gl.constexpr,  # copy the down projection's first tiles at the start, not after phase 1's loop
+        DOWN_PREFETCH: gl.constexpr,  # how many of the down projection's first tiles are copied before its wait
         HAS_GATE_UP_BIAS: gl.constexpr,
         HAS_DOWN_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
@@ -112,7 +113,7 @@ if common.HAS_GLUON:
         if EARLY_DOWN:
             if does_down:
                 _copy_first_weight_tiles(down_desc, d_tiles, down_ready, down_row0, down_k0, down_tiles_per_split,
-                                         down_bytes, DOWN_STAGES)  # fmt: skip
+                                         down_bytes, DOWN_PREFETCH)  # fmt: skip
         row0 = pid * BLOCK_N
         if does_gate_up:
             for stage in gl.static_range(GATE_UP_STAGES):
@@ -149,7 +150,7 @@ if common.HAS_GLUON:
             if not EARLY_DOWN:
                 if does_down:
                     _copy_first_weight_tiles(down_desc, d_tiles, down_ready, down_row0, down_k0,
-                                             down_tiles_per_split, down_bytes, DOWN_STAGES)  # fmt: skip
+                                             down_tiles_per_split, down_bytes, DOWN_PREFETCH)  # fmt: skip
             offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
             mask_n = offs_n < intermediate
             mask = mask_n[:, None] & mask_m[None, :]
@@ -164,7 +165,7 @@ if common.HAS_GLUON:
             if not EARLY_DOWN:
                 if does_down:
                     _copy_first_weight_tiles(down_desc, d_tiles, down_ready, down_row0, down_k0,
-                                             down_tiles_per_split, down_bytes, DOWN_STAGES)  # fmt: skip
+                                             down_tiles_per_split, down_bytes, DOWN_PREFETCH)  # fmt: skip
         for stage in gl.static_range(GATE_UP_STAGES):
             mbarrier.invalidate(gate_up_ready.index(stage))
 
@@ -178,6 +179,11 @@ if common.HAS_GLUON:
             if gl.atomic_add(flags_ptr + DOWN_SPLIT + split, 1, sem="relaxed") == down_blocks - 1:
                 gl.atomic_xchg(flags_ptr + split, 0)
                 gl.atomic_xchg(flags_ptr + DOWN_SPLIT + split, 0)
+            for stage in gl.static_range(DOWN_PREFETCH, DOWN_STAGES):
+                if stage < down_tiles_per_split:
+                    mbarrier.expect(down_ready.index(stage), down_bytes)
+                    tma_load(down_desc, [down_row0, down_k0 + stage * BLOCK_K], down_ready.index(stage),
+                             d_tiles.index(stage))  # fmt: skip
             for stage in gl.static_range(DOWN_STAGES):
                 if stage < down_tiles_per_split:
                     tma_load(activated_desc, [0, down_k0 + stage * BLOCK_K], down_ready.index(stage),
@@ -276,6 +282,7 @@ def tma_rows_mlp(
     early_down: bool = False,
     gate_up_stages: int | None = None,
     down_stages: int | None = None,
+    down_prefetch: int | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, H]`` and the weights as :func:`supports` takes them, biases or None, ``residual`` ``[M, H]`` with
     unit stride along H or None; returns ``out`` (``[M, H]`` contiguous, a new one if None):
@@ -298,6 +305,9 @@ def tma_rows_mlp(
     activated_desc = common.TensorDescriptor.from_tensor(activated, [MAX_ROWS, BLOCK_K], layout)
     use_pdl = uses_programmatic_launch(x.device)
     grid = max(intermediate // BLOCK_N, hidden // BLOCK_N * split)
+    gate_up_stages = min(gate_up_stages or config["gate_up_stages"], hidden // BLOCK_K)
+    down_stages = min(down_stages or config["down_stages"], down_tiles_per_split)
+    down_prefetch = down_stages if down_prefetch is None else min(down_prefetch, down_stages)
     _launch_tma_rows_mlp(
         (grid, 1, 1),
         (
@@ -309,8 +319,8 @@ def tma_rows_mlp(
             down_tiles_per_split,
         ),
         dict(
-            DOWN_SPLIT=split, GATE_UP_STAGES=min(gate_up_stages or config["gate_up_stages"], hidden // BLOCK_K),
-            DOWN_STAGES=min(down_stages or config["down_stages"], down_tiles_per_split), EARLY_DOWN=early_down,
+            DOWN_SPLIT=split, GATE_UP_STAGES=gate_up_stages, DOWN_STAGES=down_stages, EARLY_DOWN=early_down,
+            DOWN_PREFETCH=down_prefetch,
             HAS_GATE_UP_BIAS=gate_up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
             HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
