@@ -8,7 +8,8 @@ before). The other ``one_launch`` variants change the two phases' rings (gate/up
 shared memory allow more). ``early_down``, the down tiles copied at the kernel's start, was an option at 5eb607d and
 d9b5dfa (its rows are in those runs' results). ``post_attention`` runs the o projection, the residual add and the
 RMSNorm before the MLP in the same launch (``tma_rows_post_attention``): 32 of the programs first compute the o
-projection's blocks and, once all are in, each its slice of the norm.
+projection's blocks and, once all are in, each its slice of the norm. ``sleep_ns``: a program waiting on a count
+sleeps that long between two reads of it (none by default).
 
 This probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and ``layer_kernels``, no compile) on
 ``bench_generate``'s model (bf16, 16 random 512-token prompts), the variants alternating over ``--rounds`` rounds,
@@ -43,6 +44,9 @@ VARIANTS = {  # name: (the MLP in one launch, the o projection + add-and-norm + 
     "one_launch_down_prefetch4": (True, False, {"down_prefetch": 4}),
     "post_attention": (True, True, {}),
     "post_attention_o_ring4": (True, True, {"o_stages": 4}),
+    "one_launch_sleep100": (True, False, {"sleep_ns": 100}),
+    "post_attention_sleep100": (True, True, {"sleep_ns": 100}),
+    "post_attention_sleep500": (True, True, {"sleep_ns": 500}),
 }
 
 

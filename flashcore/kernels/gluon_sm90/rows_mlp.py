@@ -58,11 +58,16 @@ if common.HAS_GLUON:
         gl.atomic_add(flags_ptr + index, 1, sem="release")
 
     @gluon.jit
-    def _wait_for_count(flags_ptr, index, target, readers_index, readers):
-        """Spins until ``flags[index]`` reaches ``target`` (an acquire). The last of the ``readers`` programs that
-        wait on it zeroes it and its reader count for the next launch: every count it adds up is in by then."""
+    def _wait_for_count(flags_ptr, index, target, readers_index, readers, SLEEP_NS: gl.constexpr):
+        """Spins until ``flags[index]`` reaches ``target`` (an acquire), sleeping ``SLEEP_NS`` between reads. The
+        last of the ``readers`` programs that wait on it zeroes it and its reader count for the next launch: every
+        count it adds up is in by then."""
         done = gl.atomic_add(flags_ptr + index, 0, sem="acquire")
         while done < target:
+            if SLEEP_NS > 0:
+                gl.inline_asm_elementwise(
+                    f"nanosleep.u32 {SLEEP_NS}; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+                )
             done = gl.atomic_add(flags_ptr + index, 0, sem="acquire")
         if gl.atomic_add(flags_ptr + readers_index, 1, sem="relaxed") == readers - 1:
             gl.atomic_xchg(flags_ptr + index, 0)
@@ -144,6 +149,7 @@ if common.HAS_GLUON:
         WITH_O: gl.constexpr,  # phase 0: the o projection, the residual add and the RMSNorm before the MLP
         O_STAGES: gl.constexpr,
         O_BLOCKS_PAD: gl.constexpr,  # H / BLOCK_N, to a power of two
+        SLEEP_NS: gl.constexpr,  # between two reads of a count a program waits on
         HAS_O_BIAS: gl.constexpr,
         HAS_GATE_UP_BIAS: gl.constexpr,
         HAS_DOWN_BIAS: gl.constexpr,
@@ -230,7 +236,7 @@ if common.HAS_GLUON:
                 total_f32 = total.to(gl.float32)
                 gl.store(squares_ptr + pid * BLOCK_M + offs_m, gl.sum(total_f32 * total_f32, axis=0))
                 _count_done(flags_ptr, O_DONE)
-                _wait_for_count(flags_ptr, O_DONE, down_blocks, O_READERS, down_blocks)
+                _wait_for_count(flags_ptr, O_DONE, down_blocks, O_READERS, down_blocks, SLEEP_NS)
                 squares_layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
                 offs_block = gl.arange(0, O_BLOCKS_PAD, layout=gl.SliceLayout(1, squares_layout))
                 offs_row = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, squares_layout))
@@ -251,7 +257,7 @@ if common.HAS_GLUON:
         # Phase 1: gate/up block pid, with the SiLU-and-mul, as rows_gemm's swiglu call.
         if does_gate_up:
             if WITH_O:
-                _wait_for_count(flags_ptr, NORM_DONE, down_blocks, NORM_READERS, gate_up_blocks)
+                _wait_for_count(flags_ptr, NORM_DONE, down_blocks, NORM_READERS, gate_up_blocks, SLEEP_NS)
             for stage in gl.static_range(GATE_UP_STAGES):
                 if stage < gate_up_tiles:
                     tma_load(x_desc, [0, stage * BLOCK_K], gate_up_ready.index(stage), x_tiles.index(stage))
@@ -289,7 +295,7 @@ if common.HAS_GLUON:
         # Phase 2: down block down_block over K slice split, once that slice's gate/up blocks are written.
         if does_down:
             _wait_for_count(flags_ptr, SPLITS_DONE + split, blocks_per_split, SPLITS_DONE + DOWN_SPLIT + split,
-                            down_blocks)  # fmt: skip
+                            down_blocks, SLEEP_NS)  # fmt: skip
             acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
             acc = _stream(down_desc, activated_desc, w_tiles, a_tiles, down_ready, down_row0, down_k0,
                           down_tiles_per_split, acc, DOWN_STAGES, DOWN_PREFETCH)  # fmt: skip
@@ -377,7 +383,7 @@ def mlp_config(hidden: int, intermediate: int) -> dict:
     o = tma_rows_gemm.tma_rows_gemm_config(hidden, False)
     return dict(
         gate_up_stages=gate_up["num_stages"], down_split=down["split_k"], down_stages=down["num_stages"],
-        down_prefetch=min(2, down["num_stages"]), o_stages=o["num_stages"],
+        down_prefetch=min(2, down["num_stages"]), o_stages=o["num_stages"], sleep_ns=0,
     )  # fmt: skip
 
 
@@ -484,7 +490,8 @@ def _launch(x, prologue, gate_up_weight, gate_up_bias, down_weight, down_bias, r
         ),
         dict(
             DOWN_SPLIT=split, GATE_UP_STAGES=gate_up_stages, DOWN_STAGES=down_stages, DOWN_PREFETCH=down_prefetch,
-            WITH_O=prologue is not None, O_STAGES=o_stages, O_BLOCKS_PAD=triton.next_power_of_2(hidden // BLOCK_N),
+            WITH_O=prologue is not None, O_STAGES=o_stages, SLEEP_NS=config["sleep_ns"],
+            O_BLOCKS_PAD=triton.next_power_of_2(hidden // BLOCK_N),
             HAS_O_BIAS=o_bias is not None, HAS_GATE_UP_BIAS=gate_up_bias is not None,
             HAS_DOWN_BIAS=down_bias is not None, HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
