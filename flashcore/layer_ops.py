@@ -15,7 +15,8 @@ where HF's eager code rounds (``flashcore/kernels/triton/layer_kernels.py``). Th
 loading its weight while the kernel before it still runs (``flashcore/kernels/triton/gemv.py``), and so does the
 few-row GEMM, which takes four launches per layer into it (``flashcore/kernels/triton/rows_gemm.py``; on an sm_90
 GPU in fp16/bf16 its calls without a folded norm or RoPE run on a Gluon kernel whose weight tiles come through a ring
-of TMA copies, ``flashcore/kernels/gluon_sm90/rows_gemm.py``).
+of TMA copies, ``flashcore/kernels/gluon_sm90/rows_gemm.py``; there :func:`rows_mlp` runs a SwiGLU MLP's two
+projections as one launch, ``rows_mlp.py``).
 ``apply_flashcore_to_llama(model, layer_kernels=True)`` puts them in a patched model.
 
 Like :func:`flashcore.attention_with_kv_cache` they run on CUDA tensors, or on CPU tensors under
@@ -36,8 +37,7 @@ from flashcore.kernels.triton import rows_gemm as rows_gemm_kernels
 
 __all__ = [
     "add_rms_norm", "apply_rotary_embedding", "gemv", "gemv_can_rotate", "rms_norm", "rows_gemm",
-    "rows_gemm_can_rotate", "rows_gemm_streams", "rows_mlp", "rows_post_attention", "silu_and_mul",
-    "silu_and_mul_gemv", "ROWS_GEMM_MAX_ROWS",
+    "rows_gemm_can_rotate", "rows_gemm_streams", "rows_mlp", "silu_and_mul", "silu_and_mul_gemv", "ROWS_GEMM_MAX_ROWS",
 ]  # fmt: skip
 
 ROWS_GEMM_MAX_ROWS = rows_gemm_kernels.MAX_ROWS
@@ -383,100 +383,6 @@ def _run_rows_gemm(x, up, weight, bias, residual, norm_weight, eps, cos, sin, ro
         )  # fmt: skip
 
 
-FUSE_MLP = True  # the probe of entry 80 switches the one-launch MLP off; removed with its decision
-FUSE_POST_ATTENTION = True  # the same for the o projection, add-and-norm and MLP in one launch
-
-
-def rows_post_attention(
-    attn: torch.Tensor,
-    layer_input: torch.Tensor,
-    o_weight: torch.Tensor,
-    o_bias: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    gate_up_weight: torch.Tensor,
-    gate_up_bias: torch.Tensor | None,
-    down_weight: torch.Tensor,
-    down_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """A decoder layer after its attention, for at most 16 rows: ``total = layer_input + o_proj(attn)``, then
-    ``total + mlp(rms_norm(total))`` with a SwiGLU MLP whose gate/up projection is fused: :func:`rows_gemm` (the o
-    projection), :func:`add_rms_norm` and :func:`rows_mlp`, one after the other.
-
-    Where :func:`rows_post_attention_fuses` (an sm_90 GPU, fp16/bf16, a square o projection, a grid of at most one
-    program per SM) they run as one launch (``flashcore/kernels/gluon_sm90/rows_mlp.py``). There ``total`` has
-    :func:`add_rms_norm`'s bits, but the norm sums each row's squares in another order, so a value of the MLP's
-    input may round to its neighbour (as :func:`rows_gemm`'s folded norm may).
-
-    Args:
-        attn: ``[..., K_o]``, the attention's output, 1 to 16 rows, unit stride along K_o, rows at one stride;
-            float16, bfloat16 or float32.
-        layer_input: ``[..., H]``, the decoder layer's input (its residual), ``attn``'s leading shape.
-        o_weight: ``[H, K_o]``; o_bias: ``[H]`` or None.
-        norm_weight: ``[H]``, the post-attention RMSNorm's weight; eps: its epsilon, >= 0.
-        gate_up_weight, gate_up_bias, down_weight, down_bias: as for :func:`rows_mlp`.
-
-    Returns:
-        A new contiguous tensor of ``layer_input``'s shape and dtype: the decoder layer's output.
-    """
-    _check_runs(attn, "attn")
-    if attn.dim() == 0 or not 0 < attn.numel() // max(attn.shape[-1], 1) <= ROWS_GEMM_MAX_ROWS:
-        raise ValueError(
-            f"rows_post_attention takes 1 to {ROWS_GEMM_MAX_ROWS} rows: attn must be [..., K_o] whose leading dims "
-            f"multiply to at most {ROWS_GEMM_MAX_ROWS}, got shape {tuple(attn.shape)}"
-        )
-    if not _is_matrix(o_weight) or o_weight.shape[1] != attn.shape[-1]:
-        raise ValueError(
-            f"o_weight must be [H, K_o] with K_o = attn.shape[-1] = {attn.shape[-1]}, got {_shape_of(o_weight)}"
-        )
-    hidden = o_weight.shape[0]
-    expected = (*attn.shape[:-1], hidden)
-    if not isinstance(layer_input, torch.Tensor) or tuple(layer_input.shape) != expected:
-        raise ValueError(f"layer_input must be {list(expected)}, attn's rows of H, got {_shape_of(layer_input)}")
-    if o_bias is not None and (not isinstance(o_bias, torch.Tensor) or tuple(o_bias.shape) != (hidden,)):
-        raise ValueError(f"o_bias must be [{hidden}] or None, got {_shape_of(o_bias)}")
-    _check_like(
-        attn, "attn", layer_input=layer_input, o_weight=o_weight, **({} if o_bias is None else {"o_bias": o_bias})
-    )
-    _check_norm(layer_input, "layer_input", norm_weight, eps)
-    _check_mlp(layer_input, "layer_input", gate_up_weight, gate_up_bias, down_weight, down_bias, None)
-    rows = attn.numel() // attn.shape[-1]
-    attn_rows, input_rows = attn.reshape(rows, attn.shape[-1]), layer_input.reshape(rows, hidden)
-    out = input_rows.new_empty(rows, hidden)
-    operands = (attn_rows, input_rows, o_weight, o_bias, norm_weight, float(eps), gate_up_weight, gate_up_bias,
-                down_weight, down_bias, out)  # fmt: skip
-    if torch.compiler.is_compiling():
-        torch.ops.flashcore.rows_post_attention(*operands)
-    else:
-        _run_rows_post_attention(*operands)
-    return out.view(layer_input.shape)
-
-
-def rows_post_attention_fuses(
-    attn: torch.Tensor, o_weight: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor
-) -> bool:
-    """Whether :func:`rows_post_attention` runs as one launch on ``attn`` (1 to 16 rows) and these weights."""
-    return FUSE_POST_ATTENTION and tma_rows_mlp_kernels.supports_post_attention(
-        attn.reshape(-1, attn.shape[-1]), o_weight, gate_up_weight, down_weight
-    )
-
-
-def _run_rows_post_attention(
-    attn, layer_input, o_weight, o_bias, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight, down_bias, out
-) -> None:
-    if rows_post_attention_fuses(attn, o_weight, gate_up_weight, down_weight):
-        tma_rows_mlp_kernels.tma_rows_post_attention(
-            attn, layer_input, o_weight, o_bias, norm_weight, eps, gate_up_weight, gate_up_bias, down_weight,
-            down_bias, out=out,
-        )  # fmt: skip
-        return
-    projected = attn.new_empty(attn.shape[0], o_weight.shape[0])
-    _run_rows_gemm(attn, None, o_weight, o_bias, None, None, 0.0, None, None, 0, False, projected)
-    total, normed = torch.empty_like(projected), torch.empty_like(projected)
-    layer_kernels.add_rms_norm_triton(projected, layer_input, norm_weight, eps, total, normed)
-    _run_rows_mlp(normed, gate_up_weight, gate_up_bias, down_weight, down_bias, total, out)
-
-
 def rows_mlp(
     x: torch.Tensor,
     gate_up_weight: torch.Tensor,
@@ -511,7 +417,22 @@ def rows_mlp(
             f"rows_mlp takes 1 to {ROWS_GEMM_MAX_ROWS} rows: x must be [..., H] whose leading dims multiply to at "
             f"most {ROWS_GEMM_MAX_ROWS}, got shape {tuple(x.shape)}"
         )
-    _check_mlp(x, "x", gate_up_weight, gate_up_bias, down_weight, down_bias, residual)
+    hidden = x.shape[-1]
+    if not _is_matrix(gate_up_weight) or gate_up_weight.shape[0] % 2 or gate_up_weight.shape[1] != hidden:
+        raise ValueError(
+            f"gate_up_weight must be [2 I, H] with H = x.shape[-1] = {hidden}, the gate's rows then the up's, got "
+            f"{_shape_of(gate_up_weight)}"
+        )
+    intermediate = gate_up_weight.shape[0] // 2
+    if not _is_matrix(down_weight) or down_weight.shape != (hidden, intermediate):
+        raise ValueError(f"down_weight must be [H, I] = [{hidden}, {intermediate}], got {_shape_of(down_weight)}")
+    expected = {"gate_up_bias": (2 * intermediate,), "down_bias": (hidden,), "residual": tuple(x.shape)}
+    given = {"gate_up_bias": gate_up_bias, "down_bias": down_bias, "residual": residual}
+    for name, tensor in given.items():
+        if tensor is not None and (not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected[name]):
+            raise ValueError(f"{name} must be {list(expected[name])} or None, got {_shape_of(tensor)}")
+    present = {name: tensor for name, tensor in given.items() if tensor is not None}
+    _check_like(x, "x", gate_up_weight=gate_up_weight, down_weight=down_weight, **present)
     rows = x.numel() // x.shape[-1]
     x_rows = x.reshape(rows, x.shape[-1])
     residual_rows = residual.reshape(rows, x.shape[-1]) if residual is not None else None
@@ -525,7 +446,7 @@ def rows_mlp(
 
 def rows_mlp_fuses(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> bool:
     """Whether :func:`rows_mlp` runs as one launch on ``x`` (1 to 16 rows) and these weights."""
-    return FUSE_MLP and tma_rows_mlp_kernels.supports(x.reshape(-1, x.shape[-1]), gate_up_weight, down_weight)
+    return tma_rows_mlp_kernels.supports(x.reshape(-1, x.shape[-1]), gate_up_weight, down_weight)
 
 
 def _run_rows_mlp(x, gate_up_weight, gate_up_bias, down_weight, down_bias, residual, out) -> None:
@@ -543,26 +464,6 @@ def rows_gemm_can_rotate(rotated: int) -> bool:
     """Whether :func:`rows_gemm` can apply the rotary embedding to its first ``rotated`` outputs: whole programs of
     its 64 weight rows, so that a program holds both halves' rows of the pairs it owns."""
     return rotated > 0 and rotated % rows_gemm_kernels.BLOCK_N == 0
-
-
-def _check_mlp(x, name, gate_up_weight, gate_up_bias, down_weight, down_bias, residual) -> None:
-    """:func:`rows_mlp`'s weights, biases and residual against its input ``x``, the argument ``name``."""
-    hidden = x.shape[-1]
-    if not _is_matrix(gate_up_weight) or gate_up_weight.shape[0] % 2 or gate_up_weight.shape[1] != hidden:
-        raise ValueError(
-            f"gate_up_weight must be [2 I, H] with H = {name}.shape[-1] = {hidden}, the gate's rows then the up's, got "
-            f"{_shape_of(gate_up_weight)}"
-        )
-    intermediate = gate_up_weight.shape[0] // 2
-    if not _is_matrix(down_weight) or down_weight.shape != (hidden, intermediate):
-        raise ValueError(f"down_weight must be [H, I] = [{hidden}, {intermediate}], got {_shape_of(down_weight)}")
-    expected = {"gate_up_bias": (2 * intermediate,), "down_bias": (hidden,), "residual": tuple(x.shape)}
-    given = {"gate_up_bias": gate_up_bias, "down_bias": down_bias, "residual": residual}
-    for argument, tensor in given.items():
-        if tensor is not None and (not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected[argument]):
-            raise ValueError(f"{argument} must be {list(expected[argument])} or None, got {_shape_of(tensor)}")
-    present = {argument: tensor for argument, tensor in given.items() if tensor is not None}
-    _check_like(x, name, gate_up_weight=gate_up_weight, down_weight=down_weight, **present)
 
 
 def _is_matrix(tensor) -> bool:
@@ -784,25 +685,6 @@ def _silu_and_mul_gemv_op(
 ) -> None:
     with on_device_of(gate):
         gemv_kernels.gemv_triton(gate, weight, bias, up=up, residual=residual, out=out)
-
-
-@torch.library.custom_op("flashcore::rows_post_attention", mutates_args=("out",))
-def _rows_post_attention_op(
-    attn: torch.Tensor,
-    layer_input: torch.Tensor,
-    o_weight: torch.Tensor,
-    o_bias: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    gate_up_weight: torch.Tensor,
-    gate_up_bias: torch.Tensor | None,
-    down_weight: torch.Tensor,
-    down_bias: torch.Tensor | None,
-    out: torch.Tensor,
-) -> None:
-    with on_device_of(attn):
-        _run_rows_post_attention(attn, layer_input, o_weight, o_bias, norm_weight, eps, gate_up_weight, gate_up_bias,
-                                 down_weight, down_bias, out)  # fmt: skip
 
 
 @torch.library.custom_op("flashcore::rows_mlp", mutates_args=("out",))

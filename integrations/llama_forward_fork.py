@@ -81,18 +81,7 @@ def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.
         )
         return self.mlp(hidden_states, norm=norm, residual=hidden_states)
     # More than one token: the projections are GEMMs that take no residual or norm, so the add after attention and
-    # the norm before the MLP run as one kernel; at 2 to 16 rows, where the kernel takes them, with the o projection
-    # and the MLP too (NOTES.md, entry 80).
-    weights = _post_attention_weights(self, hidden_states)
-    if weights is not None:
-        attn_output, _ = self.self_attn(
-            hidden_states=hidden_states, norm=self.input_layernorm, project_output=False, **kwargs
-        )
-        o_weight, o_bias, gate_up_weight, gate_up_bias, down_weight, down_bias = weights
-        return layer_ops.rows_post_attention(
-            attn_output, residual, o_weight, o_bias, norm.weight, norm.variance_epsilon, gate_up_weight,
-            gate_up_bias, down_weight, down_bias,
-        )  # fmt: skip
+    # the norm before the MLP run as one kernel.
     attn_output, _ = self.self_attn(hidden_states=hidden_states, norm=self.input_layernorm, **kwargs)
     hidden_states, normed = layer_ops.add_rms_norm(attn_output, residual, norm.weight, norm.variance_epsilon)
     return self.mlp(normed, residual=hidden_states)
@@ -105,13 +94,11 @@ def attention_forward(
     attention_mask: torch.Tensor | None = None,
     norm: torch.nn.Module | None = None,
     residual: torch.Tensor | None = None,
-    project_output: bool = True,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``LlamaAttention.forward``; the decoder layer passes the cache as ``cache`` (5.24) or ``past_key_values``.
     From :func:`decoder_layer_forward`, ``norm`` (the layer's input RMSNorm, still to apply to ``hidden_states``) and
-    ``residual``: it then returns ``residual + o_proj(...)``; with ``project_output=False`` the attention's output
-    before the o projection, which the decoder layer then runs with the rest of the layer."""
+    ``residual``: it then returns ``residual + o_proj(...)``."""
     cache = kwargs.pop("cache", None)
     cache = kwargs.pop("past_key_values", None) if cache is None else cache
     input_shape = hidden_states.shape[:-1]
@@ -145,8 +132,7 @@ def attention_forward(
     )
 
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    if project_output:
-        attn_output = _project_residual(self, attn_output, "o_proj", residual)
+    attn_output = _project_residual(self, attn_output, "o_proj", residual)
     return attn_output, attn_weights
 
 
@@ -163,7 +149,8 @@ def mlp_forward(
         and layer_ops.rows_gemm_streams(x, fused.weight, swiglu=True)
     ):
         # The few-row GEMM's TMA kernel computes the SiLU-and-mul in its epilogue: the down projection is then a plain
-        # GEMM, with the residual add in its own epilogue (NOTES.md, entry 72); one launch where rows_mlp_fuses.
+        # GEMM, with the residual add in its own epilogue (NOTES.md, entry 72); both in one launch where
+        # rows_mlp_fuses (entry 80).
         down = self.down_proj
         if _is_plain_linear(down) and layer_ops.rows_mlp_fuses(x, fused.weight, down.weight):
             return layer_ops.rows_mlp(x, fused.weight, fused.bias, down.weight, down.bias, residual=residual)
@@ -241,23 +228,6 @@ def _project_residual(
         return layer_ops.rows_gemm(x, linear.weight, linear.bias, up=up, residual=residual)
     out = linear(x if up is None else layer_ops.silu_and_mul(x, up))
     return out if residual is None else residual + out
-
-
-def _post_attention_weights(layer: torch.nn.Module, x: torch.Tensor) -> tuple | None:
-    """The o projection's and the MLP's weights and biases where the decoder layer after its attention runs as one
-    :func:`flashcore.layer_ops.rows_post_attention` launch (``rows_post_attention_fuses``, asked with ``x``, the
-    layer's input, standing for the attention's output: the o projection is square): 2 to 16 rows with the layer
-    kernels, a fused gate/up projection, plain o and down projections. Else None."""
-    fused = layer.mlp.__dict__.get("_fused_projection")
-    o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
-    if (
-        fused is None
-        or not _runs_rows_gemm(layer.mlp, x)
-        or not (_is_plain_linear(o_proj) and _is_plain_linear(down_proj))
-        or not layer_ops.rows_post_attention_fuses(x, o_proj.weight, fused.weight, down_proj.weight)
-    ):
-        return None
-    return o_proj.weight, o_proj.bias, fused.weight, fused.bias, down_proj.weight, down_proj.bias
 
 
 def _runs_gemv(module: torch.nn.Module, x: torch.Tensor) -> bool:

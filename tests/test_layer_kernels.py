@@ -469,45 +469,6 @@ def test_rows_mlp_gives_the_two_rows_gemm_calls_bits(hidden, intermediate, rows,
         assert torch.equal(plain, layer_ops.rows_gemm(activated, down, down_bias))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "hidden, intermediate, rows",
-    [
-        (256, 512, 3),
-        pytest.param(1024, 4096, 5, marks=ONE_LAUNCH_SHAPES),
-        pytest.param(2048, 8192, 16, marks=ONE_LAUNCH_SHAPES),  # the Llama-3.2-1B layer
-    ],
-)
-@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
-def test_rows_post_attention_gives_the_separate_ops(hidden, intermediate, rows, with_bias, dtype, device, generator):
-    """``rows_post_attention`` against the ops it stands for, one after the other: ``rows_gemm`` (the o projection),
-    ``add_rms_norm`` and ``rows_mlp``. As one launch (an sm_90 GPU in fp16/bf16) its norm sums each row's squares in
-    another order, so a value of the MLP's input may round to its neighbour: an output may then move by a few ulps
-    of the down projection's sum (the bound), and almost every output keeps its bits."""
-    attn = randn((rows, 1, hidden), generator=generator, dtype=dtype, device=device)
-    layer_input = randn((rows, 1, hidden), generator=generator, dtype=dtype, device=device) * 2
-    o_weight = randn((hidden, hidden), generator=generator, dtype=dtype, device=device) / hidden**0.5
-    norm_weight = 1 + randn((hidden,), generator=generator, dtype=dtype, device=device) / 4
-    gate_up = randn((2 * intermediate, hidden), generator=generator, dtype=dtype, device=device) / hidden**0.5
-    down = randn((hidden, intermediate), generator=generator, dtype=dtype, device=device) / intermediate**0.5
-    biases = [randn((n,), generator=generator, dtype=dtype, device=device) if with_bias else None
-              for n in (hidden, 2 * intermediate, hidden)]  # fmt: skip
-    on_tma = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and dtype != torch.float32
-    assert layer_ops.rows_post_attention_fuses(attn, o_weight, gate_up, down) == on_tma
-
-    for _ in range(2):  # the second call finds the counters the first left behind
-        out = layer_ops.rows_post_attention(
-            attn, layer_input, o_weight, biases[0], norm_weight, 1e-5, gate_up, biases[1], down, biases[2]
-        )
-
-        total, normed = layer_ops.add_rms_norm(layer_ops.rows_gemm(attn, o_weight, biases[0]), layer_input,
-                                               norm_weight, 1e-5)  # fmt: skip
-        expected = layer_ops.rows_mlp(normed, gate_up, biases[1], down, biases[2], residual=total)
-        assert out.shape == layer_input.shape and out.dtype == dtype and out.is_contiguous()
-        torch.testing.assert_close(out, expected, **ulps(dtype, 8))
-        assert float((out == expected).float().mean()) > 0.99
-
-
 def test_rows_mlp_errors_name_the_argument_and_the_fix(device, generator):
     x = randn((4, 64), generator=generator, dtype=torch.float32, device=device)
     gate_up = randn((256, 64), generator=generator, dtype=torch.float32, device=device)
@@ -528,28 +489,9 @@ def test_rows_mlp_errors_name_the_argument_and_the_fix(device, generator):
         layer_ops.rows_mlp(x, gate_up, None, down.T.contiguous().T)
 
 
-def test_rows_post_attention_errors_name_the_argument_and_the_fix(device, generator):
-    attn = randn((4, 64), generator=generator, dtype=torch.float32, device=device)
-    o_weight = randn((64, 64), generator=generator, dtype=torch.float32, device=device)
-    gate_up = randn((256, 64), generator=generator, dtype=torch.float32, device=device)
-    down = randn((64, 128), generator=generator, dtype=torch.float32, device=device)
-    ones = torch.ones(64, device=device)
-    with pytest.raises(ValueError, match=r"o_weight must be \[H, K_o\] with K_o = attn.shape\[-1\] = 64"):
-        layer_ops.rows_post_attention(attn, attn, o_weight[:, :32], None, ones, 1e-5, gate_up, None, down)
-    with pytest.raises(ValueError, match=r"layer_input must be \[4, 64\], attn's rows of H, got \(3, 64\)"):
-        layer_ops.rows_post_attention(attn, attn[:3], o_weight, None, ones, 1e-5, gate_up, None, down)
-    with pytest.raises(ValueError, match=r"weight must be \[hidden\] = \[64\] to match layer_input"):
-        layer_ops.rows_post_attention(attn, attn, o_weight, None, ones[:32], 1e-5, gate_up, None, down)
-    with pytest.raises(ValueError, match=r"down_weight must be \[H, I\] = \[64, 128\]"):
-        layer_ops.rows_post_attention(attn, attn, o_weight, None, ones, 1e-5, gate_up, None, down.T)
-    with pytest.raises(ValueError, match=r"o_bias must be \[64\] or None"):
-        layer_ops.rows_post_attention(attn, attn, o_weight, ones[:3], ones, 1e-5, gate_up, None, down)
-
-
 def test_rows_mlp_op_compiles_to_eager_bits(device, generator):
-    """Under ``torch.compile`` the MLP runs as the custom op ``flashcore::rows_mlp`` (and the layer after its
-    attention as ``flashcore::rows_post_attention``), writing an ``out`` the caller allocates: opcheck checks that
-    claim, and a fullgraph compile of two MLPs gives the eager bits."""
+    """Under ``torch.compile`` the MLP runs as the custom op ``flashcore::rows_mlp``, writing an ``out`` the caller
+    allocates: opcheck checks that claim, and a fullgraph compile of two MLPs gives the eager bits."""
     rows, hidden, intermediate = 3, 64, 128
     x = randn((rows, hidden), generator=generator, dtype=torch.float32, device=device)
     gate_up = randn((2 * intermediate, hidden), generator=generator, dtype=torch.float32, device=device) / 8
@@ -558,10 +500,6 @@ def test_rows_mlp_op_compiles_to_eager_bits(device, generator):
     out = torch.empty(rows, hidden, device=device)
     op = torch.ops.flashcore.rows_mlp.default
     torch.library.opcheck(op, (x, gate_up, None, down, bias, x, out))
-    o_weight = randn((hidden, hidden), generator=generator, dtype=torch.float32, device=device) / 8
-    norm_weight = torch.ones(hidden, device=device)
-    arguments = (x, x, o_weight, None, norm_weight, 1e-5, gate_up, None, down, bias, out)
-    torch.library.opcheck(torch.ops.flashcore.rows_post_attention.default, arguments)
 
     def two_mlps(hidden_states):
         for _ in range(2):
