@@ -30,7 +30,6 @@ import torch
 
 from flashcore.backends import SUPPORTED_DTYPES, on_device_of, triton_interpreter_enabled
 from flashcore.kernels.gluon_sm90 import rows_gemm as tma_rows_gemm_kernels
-from flashcore.kernels.gluon_sm90 import rows_gemm_norm as tma_rows_gemm_norm_kernels
 from flashcore.kernels.gluon_sm90 import rows_mlp as tma_rows_mlp_kernels
 from flashcore.kernels.triton import gemv as gemv_kernels
 from flashcore.kernels.triton import layer_kernels
@@ -38,8 +37,7 @@ from flashcore.kernels.triton import rows_gemm as rows_gemm_kernels
 
 __all__ = [
     "add_rms_norm", "apply_rotary_embedding", "gemv", "gemv_can_rotate", "rms_norm", "rows_gemm",
-    "rows_gemm_add_rms_norm", "rows_gemm_can_rotate", "rows_gemm_streams", "rows_mlp", "silu_and_mul",
-    "silu_and_mul_gemv", "ROWS_GEMM_MAX_ROWS",
+    "rows_gemm_can_rotate", "rows_gemm_streams", "rows_mlp", "silu_and_mul", "silu_and_mul_gemv", "ROWS_GEMM_MAX_ROWS",
 ]  # fmt: skip
 
 ROWS_GEMM_MAX_ROWS = rows_gemm_kernels.MAX_ROWS
@@ -385,70 +383,6 @@ def _run_rows_gemm(x, up, weight, bias, residual, norm_weight, eps, cos, sin, ro
         )  # fmt: skip
 
 
-FOLD_O_NORM = True  # the probe of entry 81 switches the one-launch projection-and-norm off; removed with its decision
-
-
-def rows_gemm_add_rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(total, rms_norm(total, norm_weight, eps))`` with ``total = residual + F.linear(x, weight, bias)`` for at
-    most 16 rows: :func:`rows_gemm` then :func:`add_rms_norm`, a decoder layer's o projection, the add after its
-    attention and the norm before its MLP.
-
-    Where :func:`rows_gemm_add_rms_norm_fuses` (an sm_90 GPU, fp16/bf16, N in whole blocks of 64, at most one per SM)
-    they run as one launch (``flashcore/kernels/gluon_sm90/rows_gemm_norm.py``): ``total`` has the two ops' bits, and
-    the norm sums each row's squares in another order than :func:`rms_norm`'s, so a value of the normed output may
-    round to its neighbour.
-
-    Args:
-        x: ``[..., K]`` of 1 to 16 rows, unit stride along K, rows at one stride; float16, bfloat16 or float32.
-        weight: ``[N, K]``; bias: ``[N]`` or None; same dtype and device.
-        residual: ``[..., N]``, ``x``'s leading shape, unit stride along N.
-        norm_weight: ``[N]``; eps: >= 0.
-
-    Returns:
-        Two new contiguous ``[..., N]`` tensors of ``x``'s dtype: the sum and its norm.
-    """
-    _check_runs(x, "x")
-    if x.dim() == 0 or not 0 < x.numel() // max(x.shape[-1], 1) <= ROWS_GEMM_MAX_ROWS:
-        raise ValueError(
-            f"rows_gemm_add_rms_norm takes 1 to {ROWS_GEMM_MAX_ROWS} rows: x must be [..., K] whose leading dims "
-            f"multiply to at most {ROWS_GEMM_MAX_ROWS}, got shape {tuple(x.shape)}"
-        )
-    if not isinstance(residual, torch.Tensor):
-        raise TypeError(f"residual must be a torch.Tensor, got {type(residual).__name__}")
-    bias, _ = _check_projection(x, "x", weight, bias, residual)
-    _check_norm(residual, "residual", norm_weight, eps)
-    rows, n = x.numel() // x.shape[-1], weight.shape[0]
-    x_rows, residual_rows = x.reshape(rows, x.shape[-1]), residual.reshape(rows, n)
-    total, normed = x_rows.new_empty(rows, n), x_rows.new_empty(rows, n)
-    if torch.compiler.is_compiling():
-        torch.ops.flashcore.rows_gemm_add_rms_norm(x_rows, weight, bias, residual_rows, norm_weight, float(eps), total,
-                                                   normed)  # fmt: skip
-    else:
-        _run_rows_gemm_add_rms_norm(x_rows, weight, bias, residual_rows, norm_weight, float(eps), total, normed)
-    return total.view(residual.shape), normed.view(residual.shape)
-
-
-def rows_gemm_add_rms_norm_fuses(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`rows_gemm_add_rms_norm` runs as one launch on ``x`` (1 to 16 rows) and ``weight``."""
-    return FOLD_O_NORM and tma_rows_gemm_norm_kernels.supports(x.reshape(-1, x.shape[-1]), weight)
-
-
-def _run_rows_gemm_add_rms_norm(x, weight, bias, residual, norm_weight, eps, total, normed) -> None:
-    if rows_gemm_add_rms_norm_fuses(x, weight):
-        tma_rows_gemm_norm_kernels.tma_rows_gemm_norm(x, weight, bias, residual, norm_weight, eps, total, normed)
-        return
-    projected = x.new_empty(x.shape[0], weight.shape[0])
-    _run_rows_gemm(x, None, weight, bias, None, None, 0.0, None, None, 0, False, projected)
-    layer_kernels.add_rms_norm_triton(projected, residual, norm_weight, eps, total, normed)
-
-
 def rows_mlp(
     x: torch.Tensor,
     gate_up_weight: torch.Tensor,
@@ -751,21 +685,6 @@ def _silu_and_mul_gemv_op(
 ) -> None:
     with on_device_of(gate):
         gemv_kernels.gemv_triton(gate, weight, bias, up=up, residual=residual, out=out)
-
-
-@torch.library.custom_op("flashcore::rows_gemm_add_rms_norm", mutates_args=("total", "normed"))
-def _rows_gemm_add_rms_norm_op(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    total: torch.Tensor,
-    normed: torch.Tensor,
-) -> None:
-    with on_device_of(x):
-        _run_rows_gemm_add_rms_norm(x, weight, bias, residual, norm_weight, eps, total, normed)
 
 
 @torch.library.custom_op("flashcore::rows_mlp", mutates_args=("out",))

@@ -81,17 +81,7 @@ def decoder_layer_forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.
         )
         return self.mlp(hidden_states, norm=norm, residual=hidden_states)
     # More than one token: the projections are GEMMs that take no residual or norm, so the add after attention and
-    # the norm before the MLP run as one kernel; at 2 to 16 rows, where one launch takes them, with the o projection
-    # (NOTES.md, entry 81).
-    o_proj = self.self_attn.o_proj
-    if _folds_o_norm(self, hidden_states):
-        attn_output, _ = self.self_attn(
-            hidden_states=hidden_states, norm=self.input_layernorm, project_output=False, **kwargs
-        )
-        hidden_states, normed = layer_ops.rows_gemm_add_rms_norm(
-            attn_output, o_proj.weight, o_proj.bias, residual, norm.weight, norm.variance_epsilon
-        )
-        return self.mlp(normed, residual=hidden_states)
+    # the norm before the MLP run as one kernel.
     attn_output, _ = self.self_attn(hidden_states=hidden_states, norm=self.input_layernorm, **kwargs)
     hidden_states, normed = layer_ops.add_rms_norm(attn_output, residual, norm.weight, norm.variance_epsilon)
     return self.mlp(normed, residual=hidden_states)
@@ -104,13 +94,11 @@ def attention_forward(
     attention_mask: torch.Tensor | None = None,
     norm: torch.nn.Module | None = None,
     residual: torch.Tensor | None = None,
-    project_output: bool = True,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``LlamaAttention.forward``; the decoder layer passes the cache as ``cache`` (5.24) or ``past_key_values``.
     From :func:`decoder_layer_forward`, ``norm`` (the layer's input RMSNorm, still to apply to ``hidden_states``) and
-    ``residual``: it then returns ``residual + o_proj(...)``; with ``project_output=False`` the attention's output
-    before the o projection, which the decoder layer then runs with the add and the norm after it."""
+    ``residual``: it then returns ``residual + o_proj(...)``."""
     cache = kwargs.pop("cache", None)
     cache = kwargs.pop("past_key_values", None) if cache is None else cache
     input_shape = hidden_states.shape[:-1]
@@ -144,8 +132,7 @@ def attention_forward(
     )
 
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    if project_output:
-        attn_output = _project_residual(self, attn_output, "o_proj", residual)
+    attn_output = _project_residual(self, attn_output, "o_proj", residual)
     return attn_output, attn_weights
 
 
@@ -241,19 +228,6 @@ def _project_residual(
         return layer_ops.rows_gemm(x, linear.weight, linear.bias, up=up, residual=residual)
     out = linear(x if up is None else layer_ops.silu_and_mul(x, up))
     return out if residual is None else residual + out
-
-
-def _folds_o_norm(layer: torch.nn.Module, x: torch.Tensor) -> bool:
-    """At 2 to 16 rows with the layer kernels, a plain o projection as square as the layer (the attention's output
-    then has the shape of ``x``, the layer's input, which stands for it here) whose product, residual add and norm
-    one launch takes (``layer_ops.rows_gemm_add_rms_norm_fuses``)."""
-    o_proj = layer.self_attn.o_proj
-    return (
-        _runs_rows_gemm(layer.self_attn, x)
-        and _is_plain_linear(o_proj)
-        and o_proj.in_features == x.shape[-1]
-        and layer_ops.rows_gemm_add_rms_norm_fuses(x, o_proj.weight)
-    )
 
 
 def _runs_gemv(module: torch.nn.Module, x: torch.Tensor) -> bool:

@@ -469,54 +469,6 @@ def test_rows_mlp_gives_the_two_rows_gemm_calls_bits(hidden, intermediate, rows,
         assert torch.equal(plain, layer_ops.rows_gemm(activated, down, down_bias))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "n, k, rows",
-    [
-        (256, 384, 3),
-        pytest.param(512, 4096, 5, marks=ONE_LAUNCH_SHAPES),  # K past rows_gemm's 2048-wide slices: streamed whole
-        pytest.param(2048, 2048, 16, marks=ONE_LAUNCH_SHAPES),  # the Llama-3.2-1B o projection
-    ],
-)
-@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
-def test_rows_gemm_add_rms_norm_gives_the_two_ops(n, k, rows, with_bias, dtype, device, generator):
-    """``rows_gemm_add_rms_norm`` against ``rows_gemm`` then ``add_rms_norm``: the sum to the bit; the norm, which as
-    one launch (an sm_90 GPU in fp16/bf16) sums each row's squares in another order, within an ulp of the dtype and
-    on almost every value to the bit."""
-    x = randn((rows, 1, k), generator=generator, dtype=dtype, device=device)
-    weight = randn((n, k), generator=generator, dtype=dtype, device=device) / k**0.5
-    bias = randn((n,), generator=generator, dtype=dtype, device=device) if with_bias else None
-    residual = randn((rows, 1, n), generator=generator, dtype=dtype, device=device) * 2
-    norm_weight = 1 + randn((n,), generator=generator, dtype=dtype, device=device) / 4
-    on_tma = ON_GPU and torch.cuda.get_device_capability()[0] == 9 and dtype != torch.float32
-    assert layer_ops.rows_gemm_add_rms_norm_fuses(x, weight) == on_tma
-
-    for _ in range(2):  # the second call finds the counts the first left behind
-        total, normed = layer_ops.rows_gemm_add_rms_norm(x, weight, bias, residual, norm_weight, 1e-5)
-
-        expected_total, expected_normed = layer_ops.add_rms_norm(
-            layer_ops.rows_gemm(x, weight, bias), residual, norm_weight, 1e-5
-        )
-        assert total.shape == normed.shape == residual.shape and normed.dtype == dtype and normed.is_contiguous()
-        assert torch.equal(total, expected_total)
-        torch.testing.assert_close(normed, expected_normed, **ulps(dtype, 2))
-        assert float((normed == expected_normed).float().mean()) > 0.99
-
-
-def test_rows_gemm_add_rms_norm_errors_name_the_argument_and_the_fix(device, generator):
-    x = randn((4, 64), generator=generator, dtype=torch.float32, device=device)
-    weight = randn((32, 64), generator=generator, dtype=torch.float32, device=device)
-    residual, norm_weight = x[:, :32], torch.ones(32, device=device)
-    with pytest.raises(ValueError, match=r"weight must be \[N, K\] with K = x.shape\[-1\] = 64"):
-        layer_ops.rows_gemm_add_rms_norm(x, weight[:, :16], None, residual, norm_weight, 1e-5)
-    with pytest.raises(ValueError, match=r"residual must have the output's shape \(4, 32\)"):
-        layer_ops.rows_gemm_add_rms_norm(x, weight, None, x, norm_weight, 1e-5)
-    with pytest.raises(ValueError, match=r"weight must be \[hidden\] = \[32\] to match residual"):
-        layer_ops.rows_gemm_add_rms_norm(x, weight, None, residual, norm_weight[:8], 1e-5)
-    with pytest.raises(ValueError, match="eps must be >= 0"):
-        layer_ops.rows_gemm_add_rms_norm(x, weight, None, residual, norm_weight, -1.0)
-
-
 def test_rows_mlp_errors_name_the_argument_and_the_fix(device, generator):
     x = randn((4, 64), generator=generator, dtype=torch.float32, device=device)
     gate_up = randn((256, 64), generator=generator, dtype=torch.float32, device=device)
@@ -538,9 +490,8 @@ def test_rows_mlp_errors_name_the_argument_and_the_fix(device, generator):
 
 
 def test_rows_mlp_op_compiles_to_eager_bits(device, generator):
-    """Under ``torch.compile`` the MLP runs as the custom op ``flashcore::rows_mlp`` (and the o projection with the
-    add and the norm after it as ``flashcore::rows_gemm_add_rms_norm``), writing outputs the caller allocates:
-    opcheck checks that claim, and a fullgraph compile of two MLPs gives the eager bits."""
+    """Under ``torch.compile`` the MLP runs as the custom op ``flashcore::rows_mlp``, writing an ``out`` the caller
+    allocates: opcheck checks that claim, and a fullgraph compile of two MLPs gives the eager bits."""
     rows, hidden, intermediate = 3, 64, 128
     x = randn((rows, hidden), generator=generator, dtype=torch.float32, device=device)
     gate_up = randn((2 * intermediate, hidden), generator=generator, dtype=torch.float32, device=device) / 8
@@ -549,10 +500,6 @@ def test_rows_mlp_op_compiles_to_eager_bits(device, generator):
     out = torch.empty(rows, hidden, device=device)
     op = torch.ops.flashcore.rows_mlp.default
     torch.library.opcheck(op, (x, gate_up, None, down, bias, x, out))
-    o_weight = randn((hidden, hidden), generator=generator, dtype=torch.float32, device=device) / 8
-    normed = torch.empty(rows, hidden, device=device)
-    arguments = (x, o_weight, bias, x, torch.ones(hidden, device=device), 1e-5, out, normed)
-    torch.library.opcheck(torch.ops.flashcore.rows_gemm_add_rms_norm.default, arguments)
 
     def two_mlps(hidden_states):
         for _ in range(2):
