@@ -74,25 +74,57 @@ if common.HAS_GLUON:
         stage_bytes: gl.constexpr = (2 if SWIGLU else 1) * w_desc.block_type.nbytes + x_desc.block_type.nbytes
 
         # The first stages' weight tiles, while the kernel before may still run; x after the wait.
-        for stage in gl.static_range(NUM_STAGES):
-            if stage < tiles_per_split:
-                mbarrier.expect(ready.index(stage), stage_bytes)
-                tma_load(w_desc, [row0, k0 + stage * BLOCK_K], ready.index(stage), w_tiles.index(stage))
-                if SWIGLU:
-                    tma_load(w_desc, [n_out + row0, k0 + stage * BLOCK_K], ready.index(stage), u_tiles.index(stage))
+        copy_weight_tiles(w_desc, w_tiles, u_tiles, ready, row0, n_out + row0, k0, tiles_per_split, stage_bytes, 0,
+                          NUM_STAGES, SWIGLU)  # fmt: skip
         if USE_PDL:
             common.wait_for_previous_grid()
             common.launch_dependents()
-        for stage in gl.static_range(NUM_STAGES):
-            if stage < tiles_per_split:
-                tma_load(x_desc, [0, k0 + stage * BLOCK_K], ready.index(stage), x_tiles.index(stage))
-
         mma: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
         )
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-        acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-        for i in range(tiles_per_split):
+        acc, acc_up = stream_weight_tiles(w_desc, x_desc, w_tiles, u_tiles, x_tiles, ready, row0, n_out + row0, k0,
+                                          tiles_per_split, acc, NUM_STAGES, NUM_STAGES, SWIGLU)  # fmt: skip
+        for stage in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(ready.index(stage))
+
+        offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+        store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, block, split, offs_n,
+                     offs_m, m, n_out, stride_residual_m, SPLIT_K, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+
+    # The pieces of the kernel above, which kernels/gluon_sm90/rows_mlp.py runs as well.
+
+    @gluon.jit
+    def copy_weight_tiles(w_desc, w_tiles, u_tiles, ready, row0, up_row0, k0, num_tiles, stage_bytes,
+                          FIRST: gl.constexpr, NUM_STAGES: gl.constexpr, SWIGLU: gl.constexpr):  # fmt: skip
+        """Starts the TMA copies of ring stages ``[FIRST, NUM_STAGES)``'s weight tiles (with ``SWIGLU`` the up rows'
+        tiles too, from ``up_row0``), each stage's barrier expecting ``stage_bytes`` (the weight tiles and the x tile
+        :func:`stream_weight_tiles` copies later)."""
+        BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+        for stage in gl.static_range(FIRST, NUM_STAGES):
+            if stage < num_tiles:
+                mbarrier.expect(ready.index(stage), stage_bytes)
+                tma_load(w_desc, [row0, k0 + stage * BLOCK_K], ready.index(stage), w_tiles.index(stage))
+                if SWIGLU:
+                    tma_load(w_desc, [up_row0, k0 + stage * BLOCK_K], ready.index(stage), u_tiles.index(stage))
+
+    @gluon.jit
+    def stream_weight_tiles(w_desc, x_desc, w_tiles, u_tiles, x_tiles, ready, row0, up_row0, k0, num_tiles, acc,
+                            NUM_STAGES: gl.constexpr, COPIED: gl.constexpr, SWIGLU: gl.constexpr):  # fmt: skip
+        """``(acc + W[row0:] @ x.T, the same for W[up_row0:] with SWIGLU)`` over ``num_tiles`` K tiles from ``k0``,
+        through the ring: the first ``COPIED`` stages' weight tiles are on their way (:func:`copy_weight_tiles`);
+        the rest of the ring's and every x tile are copied from here, and each stage is refilled as soon as its MMA
+        has read it."""
+        BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
+        stage_bytes: gl.constexpr = (2 if SWIGLU else 1) * w_desc.block_type.nbytes + x_desc.block_type.nbytes
+        copy_weight_tiles(w_desc, w_tiles, u_tiles, ready, row0, up_row0, k0, num_tiles, stage_bytes, COPIED,
+                          NUM_STAGES, SWIGLU)  # fmt: skip
+        for stage in gl.static_range(NUM_STAGES):
+            if stage < num_tiles:
+                tma_load(x_desc, [0, k0 + stage * BLOCK_K], ready.index(stage), x_tiles.index(stage))
+        acc_up = gl.zeros_like(acc)
+        for i in range(num_tiles):
             slot = i % NUM_STAGES
             mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
             x_tile = x_tiles.index(slot).permute((1, 0))
@@ -103,17 +135,25 @@ if common.HAS_GLUON:
             else:
                 acc = warpgroup_mma_wait(0, deps=[acc])
             refill = i + NUM_STAGES
-            if refill < tiles_per_split:
+            if refill < num_tiles:
                 mbarrier.expect(ready.index(slot), stage_bytes)
                 tma_load(w_desc, [row0, k0 + refill * BLOCK_K], ready.index(slot), w_tiles.index(slot))
                 if SWIGLU:
-                    tma_load(w_desc, [n_out + row0, k0 + refill * BLOCK_K], ready.index(slot), u_tiles.index(slot))
+                    tma_load(w_desc, [up_row0, k0 + refill * BLOCK_K], ready.index(slot), u_tiles.index(slot))
                 tma_load(x_desc, [0, k0 + refill * BLOCK_K], ready.index(slot), x_tiles.index(slot))
-        for stage in gl.static_range(NUM_STAGES):
-            mbarrier.invalidate(ready.index(stage))
+        return acc, acc_up
 
-        offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+    @gluon.jit
+    def store_output(
+        acc, acc_up, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, block, split, offs_n, offs_m, m, n_out,
+        stride_residual_m, SPLIT_K: gl.constexpr, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr,
+        HAS_RESIDUAL: gl.constexpr,
+    ):  # fmt: skip
+        """Writes ``out.T``'s tile ``[offs_n, offs_m]`` (``out`` ``[m, n_out]``) from this K slice's products: at one
+        slice through :func:`_epilogue`; in ``SPLIT_K`` slices each writes its products to its partial, and the last
+        program of the block to take the ticket adds them in K order, then runs the epilogue (the Triton kernel's
+        protocol)."""
+        BLOCK_M: gl.constexpr = acc.shape[1]
         mask_n, mask_m = offs_n < n_out, offs_m < m
         mask = mask_n[:, None] & mask_m[None, :]
         tile = offs_m[None, :] * n_out + offs_n[:, None]  # out.T's tile in out
@@ -126,19 +166,19 @@ if common.HAS_GLUON:
             # As the Triton kernel: every warp's partial stores before the ticket; the last taker adds in K order.
             common.partition_barrier()
             if gl.atomic_add(tickets_ptr + block, 1, sem="acq_rel") == SPLIT_K - 1:
-                acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-                acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+                acc = gl.zeros_like(acc)
+                acc_up = gl.zeros_like(acc)
                 for s in gl.static_range(SPLIT_K):
                     split_tile = partial_ptr + s * BLOCK_M * n + partial_tile
                     acc += gl.load(split_tile, mask=mask, other=0.0, cache_modifier=".cg")
                     if SWIGLU:
                         acc_up += gl.load(split_tile + n_out, mask=mask, other=0.0, cache_modifier=".cg")
-                _store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
-                              stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+                _epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
+                          stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
                 gl.atomic_xchg(tickets_ptr + block, 0)
         else:
-            _store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
-                          stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+            _epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
+                      stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
 
     @gluon.jit
     def _silu_and_mul(gate, up):
@@ -149,7 +189,7 @@ if common.HAS_GLUON:
         return (activated * up.to(gl.float32)).to(dtype)
 
     @gluon.jit
-    def _store_output(
+    def _epilogue(
         total, total_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
         stride_residual_m, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
     ):  # fmt: skip

@@ -37,8 +37,8 @@ BLOCK_N = tma_rows_gemm.BLOCK_N
 BLOCK_K = tma_rows_gemm.BLOCK_K
 
 if common.HAS_GLUON:
-    from flashcore.kernels.gluon_sm90.common import gl, gluon, mbarrier, tma_load, warpgroup_mma, warpgroup_mma_wait
-    from flashcore.kernels.gluon_sm90.rows_gemm import _store_output
+    from flashcore.kernels.gluon_sm90.common import gl, gluon, mbarrier
+    from flashcore.kernels.gluon_sm90.rows_gemm import copy_weight_tiles, store_output, stream_weight_tiles
 
     @gluon.jit
     def _fence_proxy_async_global():
@@ -108,59 +108,37 @@ if common.HAS_GLUON:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
         )
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-        mask_m = offs_m < m
+        zeros = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
 
         # Weight tiles first, while the kernel before may still run.
         row0 = pid * BLOCK_N
         if does_gate_up:
-            for stage in gl.static_range(GATE_UP_STAGES):
-                if stage < gate_up_tiles:
-                    mbarrier.expect(gate_up_ready.index(stage), gate_up_bytes)
-                    tma_load(gate_up_desc, [row0, stage * BLOCK_K], gate_up_ready.index(stage), g_tiles.index(stage))
-                    tma_load(gate_up_desc, [intermediate + row0, stage * BLOCK_K], gate_up_ready.index(stage),
-                             u_tiles.index(stage))  # fmt: skip
+            copy_weight_tiles(gate_up_desc, g_tiles, u_tiles, gate_up_ready, row0, intermediate + row0, 0,
+                              gate_up_tiles, gate_up_bytes, 0, GATE_UP_STAGES, True)  # fmt: skip
         if USE_PDL:
             common.wait_for_previous_grid()
             common.launch_dependents()
 
-        # Phase 1: gate/up block pid, with the SiLU-and-mul, as rows_gemm's swiglu call.
+        # Phase 1: gate/up block pid, with the SiLU-and-mul, as rows_gemm's swiglu call; then phase 2's first
+        # weight tiles, before this block is counted.
         if does_gate_up:
-            for stage in gl.static_range(GATE_UP_STAGES):
-                if stage < gate_up_tiles:
-                    tma_load(x_desc, [0, stage * BLOCK_K], gate_up_ready.index(stage), x_tiles.index(stage))
-            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-            acc_up = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-            for i in range(gate_up_tiles):
-                slot = i % GATE_UP_STAGES
-                mbarrier.wait(gate_up_ready.index(slot), (i // GATE_UP_STAGES) & 1)
-                x_tile = x_tiles.index(slot).permute((1, 0))
-                acc = warpgroup_mma(g_tiles.index(slot), x_tile, acc, is_async=True)
-                acc_up = warpgroup_mma(u_tiles.index(slot), x_tile, acc_up, is_async=True)
-                acc, acc_up = warpgroup_mma_wait(0, deps=[acc, acc_up])
-                refill = i + GATE_UP_STAGES
-                if refill < gate_up_tiles:
-                    mbarrier.expect(gate_up_ready.index(slot), gate_up_bytes)
-                    tma_load(gate_up_desc, [row0, refill * BLOCK_K], gate_up_ready.index(slot), g_tiles.index(slot))
-                    tma_load(gate_up_desc, [intermediate + row0, refill * BLOCK_K], gate_up_ready.index(slot),
-                             u_tiles.index(slot))  # fmt: skip
-                    tma_load(x_desc, [0, refill * BLOCK_K], gate_up_ready.index(slot), x_tiles.index(slot))
+            acc, acc_up = stream_weight_tiles(gate_up_desc, x_desc, g_tiles, u_tiles, x_tiles, gate_up_ready, row0,
+                                              intermediate + row0, 0, gate_up_tiles, zeros, GATE_UP_STAGES,
+                                              GATE_UP_STAGES, True)  # fmt: skip
             if does_down:
-                _copy_first_weight_tiles(down_desc, d_tiles, down_ready, down_row0, down_k0, down_tiles_per_split,
-                                         down_bytes, DOWN_PREFETCH)  # fmt: skip
+                copy_weight_tiles(down_desc, d_tiles, d_tiles, down_ready, down_row0, down_row0, down_k0,
+                                  down_tiles_per_split, down_bytes, 0, DOWN_PREFETCH, False)  # fmt: skip
             offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-            mask_n = offs_n < intermediate
-            mask = mask_n[:, None] & mask_m[None, :]
-            _store_output(acc, acc_up, gate_up_bias_ptr, activated_ptr, activated_ptr,
-                          offs_m[None, :] * intermediate + offs_n[:, None], offs_n, offs_m, mask_n, mask,
-                          intermediate, 0, True, HAS_GATE_UP_BIAS, False)  # fmt: skip
-            # Every warp's stores before the count (the ticket's pattern); release: they are visible to whoever
-            # acquires the count.
+            store_output(acc, acc_up, gate_up_bias_ptr, activated_ptr, activated_ptr, activated_ptr, flags_ptr, pid, 0,
+                         offs_n, offs_m, m, intermediate, 0, 1, True, HAS_GATE_UP_BIAS, False)  # fmt: skip
+            # Every warp's stores before the count (the split-K ticket's pattern); release: they are visible to
+            # whoever acquires the count.
             common.partition_barrier()
             gl.atomic_add(flags_ptr + pid // blocks_per_split, 1, sem="release")
         else:
             if does_down:
-                _copy_first_weight_tiles(down_desc, d_tiles, down_ready, down_row0, down_k0, down_tiles_per_split,
-                                         down_bytes, DOWN_PREFETCH)  # fmt: skip
+                copy_weight_tiles(down_desc, d_tiles, d_tiles, down_ready, down_row0, down_row0, down_k0,
+                                  down_tiles_per_split, down_bytes, 0, DOWN_PREFETCH, False)  # fmt: skip
         for stage in gl.static_range(GATE_UP_STAGES):
             mbarrier.invalidate(gate_up_ready.index(stage))
 
@@ -174,59 +152,15 @@ if common.HAS_GLUON:
             if gl.atomic_add(flags_ptr + DOWN_SPLIT + split, 1, sem="relaxed") == down_blocks - 1:
                 gl.atomic_xchg(flags_ptr + split, 0)
                 gl.atomic_xchg(flags_ptr + DOWN_SPLIT + split, 0)
-            for stage in gl.static_range(DOWN_PREFETCH, DOWN_STAGES):
-                if stage < down_tiles_per_split:
-                    mbarrier.expect(down_ready.index(stage), down_bytes)
-                    tma_load(down_desc, [down_row0, down_k0 + stage * BLOCK_K], down_ready.index(stage),
-                             d_tiles.index(stage))  # fmt: skip
-            for stage in gl.static_range(DOWN_STAGES):
-                if stage < down_tiles_per_split:
-                    tma_load(activated_desc, [0, down_k0 + stage * BLOCK_K], down_ready.index(stage),
-                             a_tiles.index(stage))  # fmt: skip
-            acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-            for i in range(down_tiles_per_split):
-                slot = i % DOWN_STAGES
-                mbarrier.wait(down_ready.index(slot), (i // DOWN_STAGES) & 1)
-                acc = warpgroup_mma(d_tiles.index(slot), a_tiles.index(slot).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=[acc])
-                refill = i + DOWN_STAGES
-                if refill < down_tiles_per_split:
-                    mbarrier.expect(down_ready.index(slot), down_bytes)
-                    tma_load(down_desc, [down_row0, down_k0 + refill * BLOCK_K], down_ready.index(slot),
-                             d_tiles.index(slot))  # fmt: skip
-                    tma_load(activated_desc, [0, down_k0 + refill * BLOCK_K], down_ready.index(slot),
-                             a_tiles.index(slot))  # fmt: skip
+            acc, _ = stream_weight_tiles(down_desc, activated_desc, d_tiles, d_tiles, a_tiles, down_ready, down_row0,
+                                         down_row0, down_k0, down_tiles_per_split, zeros, DOWN_STAGES, DOWN_PREFETCH,
+                                         False)  # fmt: skip
             offs_n = down_row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-            mask_n = offs_n < hidden
-            mask = mask_n[:, None] & mask_m[None, :]
-            tile = offs_m[None, :] * hidden + offs_n[:, None]
-            if DOWN_SPLIT > 1:
-                # rows_gemm's split-K ticket: the last taker adds the slices in K order.
-                gl.store(partial_ptr + split * BLOCK_M * hidden + tile, acc, mask=mask)
-                common.partition_barrier()
-                if gl.atomic_add(tickets_ptr + down_block, 1, sem="acq_rel") == DOWN_SPLIT - 1:
-                    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
-                    for s in gl.static_range(DOWN_SPLIT):
-                        acc += gl.load(partial_ptr + s * BLOCK_M * hidden + tile, mask=mask, other=0.0,
-                                       cache_modifier=".cg")  # fmt: skip
-                    _store_output(acc, acc, down_bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask,
-                                  hidden, stride_residual_m, False, HAS_DOWN_BIAS, HAS_RESIDUAL)  # fmt: skip
-                    gl.atomic_xchg(tickets_ptr + down_block, 0)
-            else:
-                _store_output(acc, acc, down_bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask,
-                              hidden, stride_residual_m, False, HAS_DOWN_BIAS, HAS_RESIDUAL)  # fmt: skip
+            store_output(acc, acc, down_bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, down_block, split,
+                         offs_n, offs_m, m, hidden, stride_residual_m, DOWN_SPLIT, False, HAS_DOWN_BIAS,
+                         HAS_RESIDUAL)  # fmt: skip
         for stage in gl.static_range(DOWN_STAGES):
             mbarrier.invalidate(down_ready.index(stage))
-
-    @gluon.jit
-    def _copy_first_weight_tiles(desc, tiles, ready, row0, k0, num_tiles, stage_bytes, NUM_STAGES: gl.constexpr):
-        """Starts the TMA copies of a ring's first ``NUM_STAGES`` weight tiles; each stage's barrier expects
-        ``stage_bytes`` (the weight tile and the activations' tile copied later)."""
-        BLOCK_K: gl.constexpr = desc.block_type.shape[1]
-        for stage in gl.static_range(NUM_STAGES):
-            if stage < num_tiles:
-                mbarrier.expect(ready.index(stage), stage_bytes)
-                tma_load(desc, [row0, k0 + stage * BLOCK_K], ready.index(stage), tiles.index(stage))
 
     _launch_tma_rows_mlp = CachedLauncher(_tma_rows_mlp_kernel)
 
