@@ -35,15 +35,7 @@ BLOCK_N = 64  # weight rows per program: one warpgroup's MMA
 BLOCK_K = 128  # K per tile: 16 KB of bf16 weight
 
 if common.HAS_GLUON:
-    from flashcore.kernels.gluon_sm90.common import (
-        fence_async_shared,
-        gl,
-        gluon,
-        mbarrier,
-        tma_load,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
+    from flashcore.kernels.gluon_sm90.common import gl, gluon, mbarrier, tma_load, warpgroup_mma, warpgroup_mma_wait
 
     @gluon.jit
     def _tma_rows_gemm_kernel(
@@ -64,16 +56,14 @@ if common.HAS_GLUON:
         HAS_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
-        HALF_ROWS: gl.constexpr = False,  # not SWIGLU: a box of BLOCK_N / 2 weight rows, the MMA tile's rest zeros
     ):
-        BOX_N: gl.constexpr = w_desc.block_type.shape[0]
-        BLOCK_N: gl.constexpr = 2 * BOX_N if HALF_ROWS else BOX_N
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
         BLOCK_M: gl.constexpr = x_desc.block_type.shape[0]
         UP_STAGES: gl.constexpr = NUM_STAGES if SWIGLU else 1
         block = gl.program_id(0)
         split = gl.program_id(1)
-        row0 = block * BOX_N
+        row0 = block * BLOCK_N
         k0 = split * tiles_per_split * BLOCK_K
         w_tiles = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
         u_tiles = gl.allocate_shared_memory(w_desc.dtype, [UP_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
@@ -82,18 +72,10 @@ if common.HAS_GLUON:
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(stage), count=1)
         stage_bytes: gl.constexpr = (2 if SWIGLU else 1) * w_desc.block_type.nbytes + x_desc.block_type.nbytes
-        if HALF_ROWS:  # the copies fill each stage's first BOX_N rows only; the MMA reads zeros in the rest
-            zeros: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-            for stage in gl.static_range(NUM_STAGES):
-                w_tiles.index(stage).slice(BOX_N, BLOCK_N - BOX_N).store(
-                    gl.zeros([BLOCK_N - BOX_N, BLOCK_K], w_desc.dtype, zeros)
-                )
-            fence_async_shared()
-            common.partition_barrier()
 
         # The first stages' weight tiles, while the kernel before may still run; x after the wait.
         copy_weight_tiles(w_desc, w_tiles, u_tiles, ready, row0, n_out + row0, k0, tiles_per_split, stage_bytes, 0,
-                          NUM_STAGES, SWIGLU, HALF_ROWS)  # fmt: skip
+                          NUM_STAGES, SWIGLU)  # fmt: skip
         if USE_PDL:
             common.wait_for_previous_grid()
             common.launch_dependents()
@@ -102,13 +84,11 @@ if common.HAS_GLUON:
         )
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         acc, acc_up = stream_weight_tiles(w_desc, x_desc, w_tiles, u_tiles, x_tiles, ready, row0, n_out + row0, k0,
-                                          tiles_per_split, acc, NUM_STAGES, NUM_STAGES, SWIGLU, HALF_ROWS)  # fmt: skip
+                                          tiles_per_split, acc, NUM_STAGES, NUM_STAGES, SWIGLU)  # fmt: skip
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(stage))
 
         offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-        if HALF_ROWS:  # the zero rows' products go nowhere: an index past N masks them
-            offs_n = gl.where(offs_n < row0 + BOX_N, offs_n, n_out)
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
         store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, block, split, offs_n,
                      offs_m, m, n_out, stride_residual_m, SPLIT_K, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
@@ -117,8 +97,7 @@ if common.HAS_GLUON:
 
     @gluon.jit
     def copy_weight_tiles(w_desc, w_tiles, u_tiles, ready, row0, up_row0, k0, num_tiles, stage_bytes,
-                          FIRST: gl.constexpr, NUM_STAGES: gl.constexpr, SWIGLU: gl.constexpr,
-                          HALF_ROWS: gl.constexpr = False):  # fmt: skip
+                          FIRST: gl.constexpr, NUM_STAGES: gl.constexpr, SWIGLU: gl.constexpr):  # fmt: skip
         """Starts the TMA copies of ring stages ``[FIRST, NUM_STAGES)``'s weight tiles (with ``SWIGLU`` the up rows'
         tiles too, from ``up_row0``), each stage's barrier expecting ``stage_bytes`` (the weight tiles and the x tile
         :func:`stream_weight_tiles` copies later)."""
@@ -126,16 +105,13 @@ if common.HAS_GLUON:
         for stage in gl.static_range(FIRST, NUM_STAGES):
             if stage < num_tiles:
                 mbarrier.expect(ready.index(stage), stage_bytes)
-                tma_load(
-                    w_desc, [row0, k0 + stage * BLOCK_K], ready.index(stage), _box(w_desc, w_tiles, stage, HALF_ROWS)
-                )
+                tma_load(w_desc, [row0, k0 + stage * BLOCK_K], ready.index(stage), w_tiles.index(stage))
                 if SWIGLU:
                     tma_load(w_desc, [up_row0, k0 + stage * BLOCK_K], ready.index(stage), u_tiles.index(stage))
 
     @gluon.jit
     def stream_weight_tiles(w_desc, x_desc, w_tiles, u_tiles, x_tiles, ready, row0, up_row0, k0, num_tiles, acc,
-                            NUM_STAGES: gl.constexpr, COPIED: gl.constexpr, SWIGLU: gl.constexpr,
-                            HALF_ROWS: gl.constexpr = False):  # fmt: skip
+                            NUM_STAGES: gl.constexpr, COPIED: gl.constexpr, SWIGLU: gl.constexpr):  # fmt: skip
         """``(acc + W[row0:] @ x.T, the same for W[up_row0:] with SWIGLU)`` over ``num_tiles`` K tiles from ``k0``,
         through the ring: the first ``COPIED`` stages' weight tiles are on their way (:func:`copy_weight_tiles`);
         the rest of the ring's and every x tile are copied from here, and each stage is refilled as soon as its MMA
@@ -143,7 +119,7 @@ if common.HAS_GLUON:
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
         stage_bytes: gl.constexpr = (2 if SWIGLU else 1) * w_desc.block_type.nbytes + x_desc.block_type.nbytes
         copy_weight_tiles(w_desc, w_tiles, u_tiles, ready, row0, up_row0, k0, num_tiles, stage_bytes, COPIED,
-                          NUM_STAGES, SWIGLU, HALF_ROWS)  # fmt: skip
+                          NUM_STAGES, SWIGLU)  # fmt: skip
         for stage in gl.static_range(NUM_STAGES):
             if stage < num_tiles:
                 tma_load(x_desc, [0, k0 + stage * BLOCK_K], ready.index(stage), x_tiles.index(stage))
@@ -161,21 +137,11 @@ if common.HAS_GLUON:
             refill = i + NUM_STAGES
             if refill < num_tiles:
                 mbarrier.expect(ready.index(slot), stage_bytes)
-                tma_load(
-                    w_desc, [row0, k0 + refill * BLOCK_K], ready.index(slot), _box(w_desc, w_tiles, slot, HALF_ROWS)
-                )
+                tma_load(w_desc, [row0, k0 + refill * BLOCK_K], ready.index(slot), w_tiles.index(slot))
                 if SWIGLU:
                     tma_load(w_desc, [up_row0, k0 + refill * BLOCK_K], ready.index(slot), u_tiles.index(slot))
                 tma_load(x_desc, [0, k0 + refill * BLOCK_K], ready.index(slot), x_tiles.index(slot))
         return acc, acc_up
-
-    @gluon.jit
-    def _box(w_desc, w_tiles, stage, HALF_ROWS: gl.constexpr):
-        """Where a stage's weight box lands: the whole tile, or with ``HALF_ROWS`` its first rows."""
-        tile = w_tiles.index(stage)
-        if HALF_ROWS:
-            tile = tile.slice(0, w_desc.block_type.shape[0])
-        return tile
 
     @gluon.jit
     def store_output(
@@ -288,19 +254,19 @@ MAX_CACHED_DESCRIPTORS = 1024  # a model's weights: a few per layer
 _weight_descriptors: dict[tuple, object] = {}
 
 
-def _weight_descriptor(weight: torch.Tensor, box_rows: int = BLOCK_N):
-    """The weight's TMA descriptor in ``[box_rows, BLOCK_K]`` boxes, built once per address and layout: a weight lives
-    across calls, and building a descriptor is most of an eager call's added host time. Keyed by what the descriptor
-    holds (as ``common.cached_tile_descriptor``); it holds the address, not the tensor."""
-    key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype, box_rows)
+def _weight_descriptor(weight: torch.Tensor):
+    """The weight's TMA descriptor, built once per address and layout: a weight lives across calls, and building a
+    descriptor is most of an eager call's added host time. Keyed by what the descriptor holds (as
+    ``common.cached_tile_descriptor``); it holds the address, not the tensor."""
+    key = (weight.data_ptr(), weight.shape, weight.stride(), weight.dtype)
     descriptor = _weight_descriptors.get(key)
     if descriptor is None:
         if len(_weight_descriptors) >= MAX_CACHED_DESCRIPTORS:
             _weight_descriptors.clear()
-        layout = _shared_layout(weight.dtype, box_rows)
+        layout = _shared_layout(weight.dtype, BLOCK_N)
         base = common._DeviceAddress(weight.data_ptr(), weight.dtype)
         descriptor = common.TensorDescriptor(
-            base, list(weight.shape), list(weight.stride()), [box_rows, BLOCK_K], layout
+            base, list(weight.shape), list(weight.stride()), [BLOCK_N, BLOCK_K], layout
         )
         _weight_descriptors[key] = descriptor
     return descriptor
@@ -323,7 +289,6 @@ def tma_rows_gemm(
     out: torch.Tensor | None = None,
     split_k: int | None = None,
     num_stages: int | None = None,
-    half_rows: bool = False,
 ) -> torch.Tensor:
     """``x`` ``[M, K]``, ``weight`` ``[N, K]`` (:func:`supports`), ``bias`` ``[N]`` or None, ``residual`` ``[M, N]``
     with unit stride along N or None; returns ``out`` (``[M, N]`` contiguous, a new one if None). With ``swiglu``
@@ -337,13 +302,12 @@ def tma_rows_gemm(
     split_k = split_k or config["split_k"]
     num_stages = num_stages or config["num_stages"]
     tiles_per_split = k // BLOCK_K // split_k
-    box_rows = BLOCK_N // 2 if half_rows else BLOCK_N
-    blocks = triton.cdiv(n_out, box_rows)
+    blocks = triton.cdiv(n_out, BLOCK_N)
     partial, tickets = out, out
     if split_k > 1:
         partial = scratch_buffer("rows_gemm_partials", split_k * MAX_ROWS * n, torch.float32, x.device)
         tickets = scratch_buffer("rows_gemm_tickets", blocks, torch.int32, x.device)
-    w_desc = _weight_descriptor(weight, box_rows)
+    w_desc = _weight_descriptor(weight)
     x_desc = common.TensorDescriptor.from_tensor(x, [MAX_ROWS, BLOCK_K], _shared_layout(x.dtype, MAX_ROWS))
     use_pdl = uses_programmatic_launch(x.device)
     _launch_tma_rows_gemm(
@@ -354,7 +318,7 @@ def tma_rows_gemm(
         ),
         dict(
             SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), SWIGLU=swiglu, HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl, HALF_ROWS=half_rows,
+            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
         num_warps=4,
         num_stages=1,
