@@ -49,7 +49,7 @@ VARIANTS = {
 }
 CATEGORIES = (  # the first pattern a kernel's lower-cased name contains names its category
     ("attention", ("attention", "decode_kernel", "merge_kv", "warp_specialized")),
-    ("gemv/gemm", ("gemv", "gemm", "cutlass", "sm90_xmma", "nvjet", "splitk", "matmul", "mm_")),
+    ("gemv/gemm", ("gemv", "gemm", "rows_mlp", "cutlass", "sm90_xmma", "nvjet", "splitk", "matmul", "mm_")),
     ("norm", ("rms_norm", "norm")),
     ("rope", ("rotary", "rope")),
     ("argmax", ("argmax", "max", "reduce")),
