@@ -10,7 +10,8 @@ projections' 15.9 TFLOP take about 20 ms at 790 TFLOP/s (entry 65). This probe b
   end), the time the GPU runs none of them inside that span, the host time from the call to its last kernel's end,
   and per category (``decode_step_kernels.category``) the kernels' count and summed duration, with the
   projections' TFLOP/s over their GEMMs' time; the 15 kernels with the most summed time; and the 12 largest gaps
-  in which the GPU runs none of the prefill's kernels, each with the kernels before and after it.
+  in which the GPU runs none of the prefill's kernels, each with the kernels before and after it; and what the host
+  does before the first projection's GEMM starts (its top-level events, and its calls that wait for the GPU).
 
 ``--rotary-heads N`` sets ``layer_kernels.ROTARY_HEADS_PER_PROGRAM`` (1: the RoPE's one-head programs of before
 entry 66).
@@ -90,6 +91,31 @@ def profile_prefill(session: DecodeSession, input_ids: torch.Tensor, flop: float
         row["us"] += duration
         by_name[name] = by_name.get(name, 0.0) + duration
     gemm_us = by_category.get("gemv/gemm", {}).get("us", 0.0)
+    # What the host does before the first projection's GEMM starts: the top-level host events in start order, and
+    # every CUDA runtime call among them that waits for the GPU.
+    first_gemm = next(k for k in kernels if decode_step_kernels.category(k.name) == "gemv/gemm")
+    host = sorted(
+        (
+            e
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CPU and e.time_range.start < first_gemm.time_range.start
+        ),
+        key=lambda e: e.time_range.start,
+    )
+    host0 = host[0].time_range.start if host else 0.0
+    host_before_first_gemm = {
+        "first_gemm_at_us_after_first_host_event": first_gemm.time_range.start - host0,
+        "top_level": [
+            {"name": e.name[:70], "at_us": e.time_range.start - host0, "us": e.time_range.end - e.time_range.start}
+            for e in host
+            if e.cpu_parent is None
+        ],
+        "waits": [
+            {"name": e.name[:70], "at_us": e.time_range.start - host0, "us": e.time_range.end - e.time_range.start}
+            for e in host
+            if "Synchronize" in e.name or "Memcpy" in e.name or "item" in e.name or "local_scalar" in e.name
+        ],
+    }
     return {
         "kernels": len(kernels),
         "span_us": end - start,
@@ -100,6 +126,7 @@ def profile_prefill(session: DecodeSession, input_ids: torch.Tensor, flop: float
         "projection_tflops_over_gemm_time": flop / (gemm_us * 1e-6) / 1e12 if gemm_us else None,
         "top_kernels_us": sorted(by_name.items(), key=lambda item: -item[1])[:15],
         "largest_gaps": largest_gaps,
+        "host_before_first_gemm": host_before_first_gemm,
     }
 
 
