@@ -10,9 +10,9 @@ grid does both, as two phases of each program:
    ``rows_gemm``'s ``swiglu`` call does, writes them, and counts its block as done for the down projection's K
    slice that reads it (``flags[slice]``, a release).
 2. The same program then computes down-projection work item ``p`` (one ``BLOCK_N`` block of outputs over one K
-   slice). Its first weight tiles are already in shared memory (copied while phase 1 ran); it waits only until the
-   gate/up blocks of its own K slice are done (an acquire), then streams the rest, and the split-K ticket of
-   ``rows_gemm`` adds the slices in K order.
+   slice). Its first weight tiles are copied at the end of phase 1, before its block is counted; it waits only
+   until the gate/up blocks of its own K slice are done (an acquire), then streams the rest, and the split-K ticket
+   of ``rows_gemm`` adds the slices in K order.
 
 The grid must be resident all at once, since a program of phase 2 waits on programs of phase 1: the host wrapper
 launches it only where it has at most one program per SM (:func:`supports`). The outputs have the bits of the two
@@ -172,12 +172,13 @@ def _multiprocessors(device_index: int) -> int:
 
 def supports(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> bool:
     """Whether one launch takes the MLP: ``rows_gemm``'s TMA kernel takes both projections (``swiglu`` for gate/up),
-    the down weight is ``[H, I]`` for a gate/up weight of ``[2 I, H]``, both in whole ``BLOCK_N`` blocks, and the
+    the down weight is ``[H, I]`` for a gate/up weight of ``[2 I, H]``, H in whole ``BLOCK_N`` blocks and I in whole
+    ``BLOCK_K`` tiles, and the
     grid (the larger of the gate/up blocks and the down projection's blocks times its K slices) is at most one
     program per SM, so all of it is resident at once."""
     hidden, intermediate = x.shape[-1], gate_up_weight.shape[0] // 2
-    if down_weight.shape != (hidden, intermediate) or hidden % BLOCK_N or intermediate % BLOCK_N:
-        return False
+    if down_weight.shape != (hidden, intermediate) or hidden % BLOCK_N or intermediate % BLOCK_K:
+        return False  # the down projection's K (I) in whole tiles, as rows_gemm's TMA kernel takes K
     x_rows = x.reshape(-1, hidden)
     if not (tma_rows_gemm.supports(x_rows, gate_up_weight, swiglu=True) and down_weight.dtype == x.dtype):
         return False
@@ -196,7 +197,8 @@ def mlp_config(hidden: int, intermediate: int) -> dict:
     launches this one replaces (``tma_rows_gemm_config``), and how many of the down projection's first tiles are
     copied before its wait: 2 of its ring. On the Llama-3.2-1B shape in a B=16 replayed step (H100,
     ``probes/session_rows_mlp_b16.py`` at 04d6509, entry 80) 2 was the fastest of 0, 1, 2 and 4; a gate/up ring of 3
-    was level with 2, and a down ring of 5 or 6 (more bytes in flight before the wait) was slower."""
+    was level with 2, and a down ring of 6, or of 5 with a gate/up ring of 3 (more bytes in flight before the wait),
+    was slower."""
     gate_up = tma_rows_gemm.tma_rows_gemm_config(hidden, True)
     down = tma_rows_gemm.tma_rows_gemm_config(intermediate, False)
     return dict(
