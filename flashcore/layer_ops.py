@@ -37,7 +37,8 @@ from flashcore.kernels.triton import rows_gemm as rows_gemm_kernels
 
 __all__ = [
     "add_rms_norm", "apply_rotary_embedding", "gemv", "gemv_can_rotate", "rms_norm", "rows_gemm",
-    "rows_gemm_can_rotate", "rows_gemm_streams", "rows_mlp", "silu_and_mul", "silu_and_mul_gemv", "ROWS_GEMM_MAX_ROWS",
+    "rows_gemm_can_rotate", "rows_gemm_streams", "rows_mlp", "rows_mlp_fuses", "silu_and_mul", "silu_and_mul_gemv",
+    "ROWS_GEMM_MAX_ROWS",
 ]  # fmt: skip
 
 ROWS_GEMM_MAX_ROWS = rows_gemm_kernels.MAX_ROWS

@@ -449,8 +449,8 @@ ONE_LAUNCH_SHAPES = pytest.mark.skipif(not ON_GPU, reason="on the CPU rows_mlp i
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
 def test_rows_mlp_gives_the_two_rows_gemm_calls_bits(hidden, intermediate, rows, with_bias, dtype, device, generator):
     """``rows_mlp`` is ``rows_gemm(x, W_gate_up, swiglu=True)`` then ``rows_gemm(., W_down, residual=r)``, to the
-    bit, whether it runs as one launch (``rows_mlp_fuses``: an sm_90 GPU in fp16/bf16) or as those two calls; their
-    kernels are checked against fp64 above. The tokens of a patched model: ``test_decode_session.py``."""
+    bit, whether it runs as one launch (``rows_mlp_fuses``: an sm_90 GPU in fp16/bf16) or as those two calls; and
+    against the MLP in fp64, within its roundings' bound. The tokens of a patched model: ``test_decode_session.py``."""
     x = randn((rows, 1, hidden), generator=generator, dtype=dtype, device=device)
     gate_up = randn((2 * intermediate, hidden), generator=generator, dtype=dtype, device=device) / hidden**0.5
     down = randn((hidden, intermediate), generator=generator, dtype=dtype, device=device) / intermediate**0.5
@@ -468,6 +468,29 @@ def test_rows_mlp_gives_the_two_rows_gemm_calls_bits(hidden, intermediate, rows,
         assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
         assert torch.equal(out, layer_ops.rows_gemm(activated, down, down_bias, residual=residual))
         assert torch.equal(plain, layer_ops.rows_gemm(activated, down, down_bias))
+
+    # And against the MLP in fp64, within what its roundings allow: gate and up each rounded once after an fp32 sum
+    # of H products, silu(gate) and its product with up rounded once each (silu's slope is at most 1.1), the down
+    # projection an fp32 sum of I products rounded once, then the residual add rounded once.
+    eps, eps32 = torch.finfo(dtype).eps, torch.finfo(torch.float32).eps
+    x64, w64, down64, residual64 = x.double(), gate_up.double(), down.double(), residual.double()
+    sums = x64 @ w64.T + (gate_up_bias.double() if with_bias else 0)
+    sums_error = eps / 2 * sums.abs() + hidden * eps32 * (x64.abs() @ w64.abs().T)
+    (gate, up), (gate_error, up_error) = sums.chunk(2, dim=-1), sums_error.chunk(2, dim=-1)
+    silu = torch.nn.functional.silu(gate)
+    silu_error = 1.1 * gate_error + eps / 2 * silu.abs()
+    act = silu * up
+    act_error = silu_error * up.abs() + silu.abs() * up_error + silu_error * up_error + eps / 2 * act.abs()
+    projected = act @ down64.T + (down_bias.double() if with_bias else 0)
+    expected = residual64 + projected
+    bound = (
+        act_error @ down64.abs().T
+        + intermediate * eps32 * (act.abs() @ down64.abs().T)
+        + eps / 2 * projected.abs()
+        + eps / 2 * expected.abs()
+    )
+    excess = (out.double() - expected).abs() - bound
+    assert bool((excess <= 0).all()), f"worst excess {float(excess.max())}"
 
 
 def test_rows_mlp_errors_name_the_argument_and_the_fix(device, generator):
