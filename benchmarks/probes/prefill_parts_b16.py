@@ -1,0 +1,142 @@
+"""Issue 29: how much of a B=16 session's prefill the host costs, and its attention against SDPA's.
+
+``bench_generate`` counts the prefill of 16 x 512 tokens in the B=16 tok/s (32.2 ms at fb3a4aa). Its profile
+(entry 83) has 28.5 ms of kernels, 21.0 of them the projections' GEMMs at 760 TFLOP/s, and 2.1 ms in which the GPU
+runs none of its kernels. This probe builds ``bench_generate``'s model (bf16, the Llama-3.2-1B shape), a
+``DecodeSession`` with ``fuse_projections`` and ``layer_kernels`` (no compile, ``max_cache_len`` 768) and 16
+random 512-token prompts, warms up, then:
+
+- ``host_clock_ms``: ``--repeats`` prefills on the host clock, each after ``reset()`` and a sync;
+- ``device_only_ms``: the same prefill enqueued behind a ``torch.cuda._sleep`` long enough that the host has queued
+  all of it before the GPU reaches it (``host_ahead`` says whether it had), timed with CUDA events from the sleep's
+  end to the prefill's end: the prefill with no host in the way. ``host_enqueue_ms`` is the host's time to queue it;
+- ``attention``: the attention of one layer at this prefill, ``[16, 32, 512, 64]`` queries and ``[16, 8, 512, 64]``
+  keys and values (bf16, contiguous, an empty cache of 768), by ``flashcore.attention_with_kv_cache`` (``auto``:
+  the Gluon prefill kernel) and by SDPA's flash, cuDNN and memory-efficient backends (causal, ``enable_gqa``);
+  each with its ``seq_lens`` zeroed in the timed call, medians of ``triton.testing.do_bench`` (L2 flushed).
+
+    python benchmarks/probes/prefill_parts_b16.py --out prefill_parts_b16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness  # noqa: E402
+from bench_generate import build_config, build_model  # noqa: E402
+
+import flashcore  # noqa: E402
+from flashcore.integrations.decode_session import DecodeSession  # noqa: E402
+
+SLEEP_CYCLES = 200_000_000  # about 0.1 s at the H100's clock: longer than the host needs to queue a prefill
+
+
+def host_clock_ms(session: DecodeSession, input_ids: torch.Tensor) -> float:
+    session.reset()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    session.prefill(input_ids)
+    torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - started)
+
+
+def device_only(session: DecodeSession, input_ids: torch.Tensor) -> tuple[float, float, bool]:
+    session.reset()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    start.record()
+    queued = time.perf_counter()
+    session.prefill(input_ids)
+    end.record()
+    enqueue_ms = 1e3 * (time.perf_counter() - queued)
+    host_ahead = not start.query()  # the GPU was still asleep when the host had queued everything
+    torch.cuda.synchronize()
+    return start.elapsed_time(end), enqueue_ms, host_ahead
+
+
+def attention_times(device: torch.device) -> dict:
+    batch, heads, kv_heads, length, dim, capacity = 16, 32, 8, 512, 64, 768
+    q = torch.randn(batch, heads, length, dim, device=device, dtype=torch.bfloat16)
+    k = torch.randn(batch, kv_heads, length, dim, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    k_cache = torch.empty(batch, kv_heads, capacity, dim, device=device, dtype=torch.bfloat16)
+    v_cache = torch.empty_like(k_cache)
+    seq_lens = torch.zeros(batch, device=device, dtype=torch.int32)
+
+    def flashcore_call():
+        seq_lens.zero_()
+        return flashcore.attention_with_kv_cache(q, k, v, (k_cache, v_cache, seq_lens))[0]
+
+    def sdpa(backend):
+        def call():
+            seq_lens.zero_()  # the same extra launch as flashcore's
+            with torch.nn.attention.sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        return call
+
+    reference = sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION)().float()
+    calls = {
+        "flashcore": flashcore_call,
+        "sdpa_flash": sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": sdpa(torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
+        "sdpa_efficient": sdpa(torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION),
+    }
+    flop = 4 * batch * heads * dim * length * (length + 1) / 2
+    result = {}
+    for name, call in calls.items():
+        try:
+            max_error = (call().float() - reference).abs().max().item()
+            us = 1e3 * triton.testing.do_bench(call, warmup=50, rep=300, return_mode="median")
+        except RuntimeError as error:  # a backend this build lacks
+            result[name] = {"error": str(error)[:200]}
+            continue
+        result[name] = {"us": us, "tflops": flop / (us * 1e-6) / 1e12, "max_abs_vs_sdpa_flash": max_error}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    model = build_model(build_config(is_tiny=False), device)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, model.config.vocab_size, (16, 512), generator=generator).to(device)
+    with torch.inference_mode():
+        session = DecodeSession(model, max_cache_len=768, batch_size=16, fuse_projections=True, layer_kernels=True)
+        for _ in range(2):
+            host_clock_ms(session, input_ids)
+        host = [host_clock_ms(session, input_ids) for _ in range(args.repeats)]
+        device_runs = [device_only(session, input_ids) for _ in range(args.repeats)]
+        attention = attention_times(device)
+    result = {
+        "environment": harness.environment(device),
+        "settings": vars(args),
+        "host_clock_ms": statistics.median(host),
+        "host_clock_ms_all": [round(t, 3) for t in host],
+        "device_only_ms": statistics.median(run[0] for run in device_runs),
+        "device_only_ms_all": [round(run[0], 3) for run in device_runs],
+        "host_enqueue_ms_all": [round(run[1], 3) for run in device_runs],
+        "host_ahead_all": [run[2] for run in device_runs],
+        "attention": attention,
+    }
+    print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=1), flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
