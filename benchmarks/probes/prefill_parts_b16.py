@@ -13,7 +13,10 @@ random 512-token prompts, warms up, then:
 - ``attention``: the attention of one layer at this prefill, ``[16, 32, 512, 64]`` queries and ``[16, 8, 512, 64]``
   keys and values (bf16, contiguous, an empty cache of 768), by ``flashcore.attention_with_kv_cache`` (``auto``:
   the Gluon prefill kernel) and by SDPA's flash, cuDNN and memory-efficient backends (causal, ``enable_gqa``);
-  each with its ``seq_lens`` zeroed in the timed call, medians of ``triton.testing.do_bench`` (L2 flushed).
+  each with its ``seq_lens`` zeroed in the timed call, medians of ``triton.testing.do_bench`` (L2 flushed);
+- ``timeline``: one prefill with a host stamp and a CUDA event at the model's call, at the embedding, at each
+  decoder layer's start and at the final norm: for each, the host's time since the call and the GPU's time since the
+  call's event (the GPU idle at the call). Where the GPU's time is about the host's, the GPU waits on the host.
 
     python benchmarks/probes/prefill_parts_b16.py --out prefill_parts_b16.json
 """
@@ -66,6 +69,36 @@ def device_only(session: DecodeSession, input_ids: torch.Tensor) -> tuple[float,
     return start.elapsed_time(end), enqueue_ms, host_ahead
 
 
+def timeline(session: DecodeSession, input_ids: torch.Tensor) -> list[dict]:
+    model = session.model
+    stamps: list[tuple[str, float, torch.cuda.Event]] = []
+
+    def stamp(name: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        stamps.append((name, time.perf_counter(), event))
+
+    modules = [("embedding", model.model.embed_tokens)]
+    modules += [(f"layer {i}", layer) for i, layer in enumerate(model.model.layers)]
+    modules.append(("final norm", model.model.norm))
+    handles = [module.register_forward_pre_hook(lambda *_, name=name: stamp(name)) for name, module in modules]
+    try:
+        session.reset()
+        torch.cuda.synchronize()
+        stamp("call")
+        session.prefill(input_ids)
+        stamp("returned")
+        torch.cuda.synchronize()
+    finally:
+        for handle in handles:
+            handle.remove()
+    _, host0, event0 = stamps[0]
+    return [
+        {"at": name, "host_ms": round(1e3 * (host - host0), 3), "gpu_ms": round(event0.elapsed_time(event), 3)}
+        for name, host, event in stamps
+    ]
+
+
 def attention_times(device: torch.device) -> dict:
     batch, heads, kv_heads, length, dim, capacity = 16, 32, 8, 512, 64, 768
     q = torch.randn(batch, heads, length, dim, device=device, dtype=torch.bfloat16)
@@ -77,7 +110,8 @@ def attention_times(device: torch.device) -> dict:
 
     def flashcore_call():
         seq_lens.zero_()
-        return flashcore.attention_with_kv_cache(q, k, v, (k_cache, v_cache, seq_lens))[0]
+        # check=False, as in a session's layers: the value checks read seq_lens on the host, one sync a call
+        return flashcore.attention_with_kv_cache(q, k, v, (k_cache, v_cache, seq_lens), check=False)[0]
 
     def sdpa(backend):
         def call():
@@ -122,6 +156,7 @@ def main() -> None:
             host_clock_ms(session, input_ids)
         host = [host_clock_ms(session, input_ids) for _ in range(args.repeats)]
         device_runs = [device_only(session, input_ids) for _ in range(args.repeats)]
+        line = timeline(session, input_ids)
         attention = attention_times(device)
     result = {
         "environment": harness.environment(device),
@@ -133,6 +168,7 @@ def main() -> None:
         "host_enqueue_ms_all": [round(run[1], 3) for run in device_runs],
         "host_ahead_all": [run[2] for run in device_runs],
         "attention": attention,
+        "timeline": line,
     }
     print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=1), flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
