@@ -210,9 +210,11 @@ class FlashCoreCache(Cache):
         # One logical length per device, shared by the layers there: advanced once per forward, not once per layer.
         self._logical_lengths: dict[torch.device, torch.Tensor] = {}
         # The logical length as the host knows it, which bounds every row's seq_lens (a forward adds at most S_q to
-        # each): while it shows room, no forward needs a host read to check capacity. None for good once a step ran
-        # under capture or compilation, whose replays advance the rows without running Python.
+        # each): while it shows room, no forward needs a host read to check capacity. None once a step ran under
+        # capture or compilation, whose replays advance the rows without running Python: for good, unless the owner
+        # of the replays counts them (count_replayed_tokens), and then until the next reset().
         self._host_length: int | None = 0
+        self._replays_counted = False
         # True from a patched decoder's pre-hook to its last layer (eager forwards): update() refuses to serve a
         # forward that no patched decoder announced, whose stock attention would never see the cached tokens.
         self.in_patched_forward = False
@@ -374,8 +376,18 @@ class FlashCoreCache(Cache):
     def reset(self) -> None:
         """Empties every row in place; see ``FlashCoreLayer.reset``."""
         super().reset()
-        if self._host_length is not None:
+        if self._host_length is not None or self._replays_counted:
             self._host_length = 0
+
+    def count_replayed_tokens(self, num_tokens: int) -> None:
+        """For the one owner of this cache's captured steps (a ``DecodeSession``): a replay is about to append at most
+        ``num_tokens`` to every row, with no Python in the cache. An owner that calls this before every replay keeps
+        the host's bound on the rows' lengths through them from each ``reset()`` on, so that a prefill after a reset
+        needs no host read to check capacity (at a 16 x 512-token prefill that read stalled the GPU for about 0.9 ms,
+        NOTES.md, entry 84). Replays by anyone else must not touch a cache whose owner counts."""
+        self._replays_counted = True
+        if self._host_length is not None:
+            self._host_length += num_tokens
 
     def _check_capacity(self, layer: FlashCoreLayer, num_new: int) -> None:
         if is_capturing_or_tracing():

@@ -362,6 +362,8 @@ class DecodeSession:
                 outputs = step()
             self._graphs[key] = entry = (graph, outputs)
         graph, outputs = entry
+        # A decode step appends one token a row, a verify step at most its drafts and the token before them.
+        self.cache.count_replayed_tokens(1 if key[0] != "verify" else key[1] + 1)
         graph.replay()
         return outputs
 

@@ -10,6 +10,7 @@ import torch
 from conftest import ON_GPU, TEST_DEVICE
 from hf_models import bf16_llama, random_prompts, seed_of, tiny_llama
 
+from flashcore.integrations.cache import FlashCoreLayer
 from flashcore.integrations.decode_session import DEFAULT_MAX_NGRAM, DecodeSession
 from flashcore.integrations.llama import (
     CACHE_ARGUMENT_NAME,
@@ -68,6 +69,33 @@ def test_second_turn_continues_the_cache(device, generator, request):
     assert torch.equal(torch.stack(continued, dim=1), expected)
     # The first answer's last token is in the text once, as in the cache: the second turn fed it.
     assert torch.equal(session.text()[0], torch.cat([conversation, expected], dim=1)[0])
+
+
+@torch.inference_mode()
+def test_prefill_after_reset_reads_no_lengths_and_a_full_cache_still_refuses(device, generator, request, monkeypatch):
+    """The cache checks capacity with no host read while its count on the host shows room. Replayed steps run no
+    Python in the cache; the session counts them, so a prefill after reset() needs no read even once steps were
+    captured (a read there stalls the GPU mid-prefill, NOTES.md, entry 84), and a turn that would overflow the rows
+    they filled is still refused, before anything is written."""
+    reads = []
+    check_capacity = FlashCoreLayer.check_capacity
+    monkeypatch.setattr(FlashCoreLayer, "check_capacity", lambda layer, n: reads.append(n) or check_capacity(layer, n))
+    model = tiny_llama("gqa", seed_of(request), device)
+    prompt, _ = random_prompts([6, 6], generator, device)
+    session = DecodeSession(model, max_cache_len=11, batch_size=2)
+    for _ in range(2):  # on the GPU the first pass warms up and captures the step, the second replays it only
+        session.reset()
+        session.prefill(prompt)
+        for _ in range(4):
+            session.decode_step()
+        assert reads == []
+    assert session.cache.get_kv_cache(0)[2].tolist() == [10, 10]
+    with pytest.raises(ValueError, match="max_cache_len=11"):
+        session.prefill(prompt[:, :2])  # 10 + 2 > 11
+    assert reads == [2]
+    assert all(session.cache.get_kv_cache(i)[2].tolist() == [10, 10] for i in range(model.config.num_hidden_layers))
+    session.prefill(prompt[:, :1])  # exactly full, as the count shows: no read
+    assert reads == [2] and session.cache.get_kv_cache(0)[2].tolist() == [11, 11]
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compares CUDA-graph replay with eager calls: there are no graphs on the CPU")

@@ -14,9 +14,13 @@ random 512-token prompts, warms up, then:
   keys and values (bf16, contiguous, an empty cache of 768), by ``flashcore.attention_with_kv_cache`` (``auto``:
   the Gluon prefill kernel) and by SDPA's flash, cuDNN and memory-efficient backends (causal, ``enable_gqa``);
   each with its ``seq_lens`` zeroed in the timed call, medians of ``triton.testing.do_bench`` (L2 flushed);
-- ``timeline``: one prefill with a host stamp and a CUDA event at the model's call, at the embedding, at each
-  decoder layer's start and at the final norm: for each, the host's time since the call and the GPU's time since the
-  call's event (the GPU idle at the call). Where the GPU's time is about the host's, the GPU waits on the host.
+- ``timeline``: one prefill with a host stamp and a CUDA event at the session's call, at the model's, at the
+  embedding and the rotary module (call and return), through the first layer's modules, at each later layer's
+  start and at the final norm: for each, the host's time since the call and the GPU's time since the
+  call's event (the GPU idle at the call). Where the GPU's time is about the host's, the GPU waits on the host;
+- ``after_capture``: after three decode steps (the second captured, as in ``bench_generate``), prefills after
+  ``reset()`` with the cache's count of the rows' lengths (``counted``, entry 84) and without it (``host_read``: the
+  first layer reads them, as before entry 84), alternating: host clock and timeline of each.
 
     python benchmarks/probes/prefill_parts_b16.py --out prefill_parts_b16.json
 """
@@ -45,8 +49,16 @@ from flashcore.integrations.decode_session import DecodeSession  # noqa: E402
 SLEEP_CYCLES = 200_000_000  # about 0.1 s at the H100's clock: longer than the host needs to queue a prefill
 
 
-def host_clock_ms(session: DecodeSession, input_ids: torch.Tensor) -> float:
+def reset(session: DecodeSession, host_read: bool) -> None:
+    """``session.reset()``; with ``host_read``, the cache forgets its count of the rows' lengths on the host, as
+    every prefill after a captured step did before entry 84, so that its first layer reads them."""
     session.reset()
+    if host_read:
+        session.cache._host_length = None
+
+
+def host_clock_ms(session: DecodeSession, input_ids: torch.Tensor, host_read: bool = False) -> float:
+    reset(session, host_read)
     torch.cuda.synchronize()
     started = time.perf_counter()
     session.prefill(input_ids)
@@ -69,7 +81,7 @@ def device_only(session: DecodeSession, input_ids: torch.Tensor) -> tuple[float,
     return start.elapsed_time(end), enqueue_ms, host_ahead
 
 
-def timeline(session: DecodeSession, input_ids: torch.Tensor) -> list[dict]:
+def timeline(session: DecodeSession, input_ids: torch.Tensor, host_read: bool = False) -> list[dict]:
     model = session.model
     stamps: list[tuple[str, float, torch.cuda.Event]] = []
 
@@ -78,12 +90,21 @@ def timeline(session: DecodeSession, input_ids: torch.Tensor) -> list[dict]:
         event.record()
         stamps.append((name, time.perf_counter(), event))
 
-    modules = [("embedding", model.model.embed_tokens)]
-    modules += [(f"layer {i}", layer) for i, layer in enumerate(model.model.layers)]
-    modules.append(("final norm", model.model.norm))
-    handles = [module.register_forward_pre_hook(lambda *_, name=name: stamp(name)) for name, module in modules]
+    first = model.model.layers[0]
+    # (name, module, also when it returns): the way to the first layer and through it in detail, then each layer
+    modules = [("model", model, False), ("decoder", model.model, False), ("embedding", model.model.embed_tokens, True)]
+    modules += [("rotary", model.model.rotary_emb, True), ("layer 0", first, False)]
+    modules += [(f"layer 0 {name}", module, True) for name, module in first.named_children()]
+    modules += [(f"layer {i}", layer, False) for i, layer in enumerate(model.model.layers) if i > 0]
+    modules.append(("final norm", model.model.norm, False))
+    handles = [module.register_forward_pre_hook(lambda *_, name=name: stamp(name)) for name, module, _ in modules]
+    handles += [
+        module.register_forward_hook(lambda *_, name=name: stamp(name + " returned"))
+        for name, module, after in modules
+        if after
+    ]
     try:
-        session.reset()
+        reset(session, host_read)
         torch.cuda.synchronize()
         stamp("call")
         session.prefill(input_ids)
@@ -157,6 +178,15 @@ def main() -> None:
         host = [host_clock_ms(session, input_ids) for _ in range(args.repeats)]
         device_runs = [device_only(session, input_ids) for _ in range(args.repeats)]
         line = timeline(session, input_ids)
+        # As in bench_generate: decode steps after the prefill, the second captured. Then prefills with the cache's
+        # count (no host read) and without it (the read), alternating.
+        for _ in range(3):
+            session.decode_step()
+        captured = {False: [], True: []}
+        for _ in range(args.repeats):
+            for host_read in (False, True):
+                captured[host_read].append(host_clock_ms(session, input_ids, host_read))
+        captured_lines = {host_read: timeline(session, input_ids, host_read) for host_read in (False, True)}
         attention = attention_times(device)
     result = {
         "environment": harness.environment(device),
@@ -169,6 +199,14 @@ def main() -> None:
         "host_ahead_all": [run[2] for run in device_runs],
         "attention": attention,
         "timeline": line,
+        "after_capture": {
+            name: {
+                "host_clock_ms": statistics.median(captured[host_read]),
+                "host_clock_ms_all": [round(t, 3) for t in captured[host_read]],
+                "timeline": captured_lines[host_read],
+            }
+            for name, host_read in (("counted", False), ("host_read", True))
+        },
     }
     print(json.dumps({k: v for k, v in result.items() if k != "environment"}, indent=1), flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
