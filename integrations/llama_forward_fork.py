@@ -226,7 +226,13 @@ def _project_residual(
         and (up is not None or layer_ops.rows_gemm_streams(x, linear.weight))
     ):
         return layer_ops.rows_gemm(x, linear.weight, linear.bias, up=up, residual=residual)
-    out = linear(x if up is None else layer_ops.silu_and_mul(x, up))
+    x = x if up is None else layer_ops.silu_and_mul(x, up)
+    if residual is not None and residual.is_cuda and linear.bias is None and _is_plain_linear(linear):
+        # A prefill's down projection: the residual add in cuBLAS's epilogue (beta = 1), one launch and one pass over
+        # the hidden states fewer, and one rounding where there were two (NOTES.md, entry 84).
+        flat = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), linear.weight.t())
+        return flat.view(residual.shape)
+    out = linear(x)
     return out if residual is None else residual + out
 
 
