@@ -184,12 +184,25 @@ class AttentionPlan:
         value: torch.Tensor,
         past_key_value: KVCache,
         query_lens: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal attention with the append, as ``attention_with_kv_cache(...)[0]``; no checks (see the class)."""
+        """Causal attention with the append, as ``attention_with_kv_cache(...)[0]``; no checks (see the class).
+
+        ``out``, only where :attr:`takes_out`: the tensor to write the output into and return, ``[B, H_q, S_q, D]``
+        with a unit stride along D (a token-major one spares a model the copy before its o projection)."""
         k_cache, v_cache, seq_lens = past_key_value
         call = _kernels().KernelCall(query, key, value, k_cache, v_cache, seq_lens, query_lens, True, self.scale, 0)
         with on_device_of(query):
-            return self.kernel.run(call)
+            if out is None:
+                return self.kernel.run(call)
+            if not self.takes_out:
+                raise ValueError(f"the {self.kernel.NAME} kernel writes its own output: pass out=None")
+            return self.kernel.run(call, out=out)
+
+    @property
+    def takes_out(self) -> bool:
+        """Whether :meth:`run` may be given ``out``: the plan's kernel writes into a tensor of any strides."""
+        return getattr(self.kernel, "TAKES_OUT", False)
 
 
 def plan_key(

@@ -124,9 +124,13 @@ def flashcore_attention(
         fresh = dict(cache_max_len=num_new, query_lens=query_lens, scale=scaling, backend=flashcore_backend)
         out, _ = attention_with_kv_cache(query, key, value, None, **fresh)
     else:
+        # token_major: the output is returned as [B, S_q, H_q, D], which the o projection reads; where the kernel
+        # writes it so (a CUDA prefill), the model's reshape before that projection copies nothing (NOTES.md, entry
+        # 84). A scatter below reorders tokens anyway.
         out = flashcore_cache.append_and_attend(
-            module.layer_idx, query, key, value, query_lens=query_lens, scale=scaling, backend=flashcore_backend
-        )
+            module.layer_idx, query, key, value, query_lens=query_lens, scale=scaling, backend=flashcore_backend,
+            token_major=order is None,
+        )  # fmt: skip
     if order is not None:
         out = torch.empty_like(out).scatter_(2, _expand_order(order, out), out)
     return out.transpose(1, 2), None

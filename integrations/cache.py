@@ -286,9 +286,12 @@ class FlashCoreCache(Cache):
         query_lens: torch.Tensor | None = None,
         scale: float | None = None,
         backend: str = "auto",
+        token_major: bool = False,
     ) -> torch.Tensor:
         """One layer's step: :func:`flashcore.attention_with_kv_cache` on ``get_kv_cache(layer_idx)``, whose
-        contract says what is appended where; returns its output ``[B, H_q, S_q, D]``.
+        contract says what is appended where; returns its output ``[B, H_q, S_q, D]``. With ``token_major``, stored
+        token-major (its ``transpose(1, 2)`` contiguous, as a model's o projection reads it) where the call's kernel
+        writes into a given tensor (``AttentionPlan.takes_out``: the Gluon prefill kernel), else contiguous as always.
 
         Layer 0 refuses a step that could overflow before anything is written (every layer holds the same lengths,
         and layer 0 runs first): with no host read while the logical length the host has counted shows room, else
@@ -324,7 +327,11 @@ class FlashCoreCache(Cache):
                 plan = self._plans[plan_key] = ops.AttentionPlan(
                     query, key, value, cache, query_lens=query_lens, scale=scale, backend=backend
                 )
-            out = plan.run(query, key, value, cache, query_lens)
+            out = None
+            if token_major and plan.takes_out:
+                batch, num_heads, num_new, head_dim = query.shape
+                out = query.new_empty(batch, num_new, num_heads, head_dim).transpose(1, 2)
+            out = plan.run(query, key, value, cache, query_lens, out=out)
         if layer_idx == len(self.layers) - 1:
             for logical_length in self._logical_lengths.values():
                 logical_length.add_(num_new)

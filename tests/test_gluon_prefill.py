@@ -15,6 +15,7 @@ from conftest import ON_GPU, TOLERANCES, randn
 from oracle import check_call, make_call_inputs, with_heads_interleaved_caches
 
 import flashcore
+from flashcore import ops
 from flashcore.kernels import KernelCall
 from flashcore.kernels.gluon_sm90 import common as gluon_common
 from flashcore.kernels.gluon_sm90 import prefill as gluon_prefill
@@ -94,3 +95,36 @@ def test_chunk_fills_the_cache_to_the_last_slot(device, generator):
     inputs = _chunk_inputs(generator, device, torch.bfloat16, seq_lens=[70, 3], num_new=130, capacity=200)
     out, cache = flashcore.attention_with_kv_cache(inputs.query, inputs.key, inputs.value, inputs.cache)
     check_call(inputs, out, cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
+
+
+@hopper_only
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_chunk_writes_a_token_major_output_to_the_same_bits(heads, head_dim, device, generator):
+    """``AttentionPlan.run(out=...)`` with a token-major ``out`` (what a model's o projection reads, no copy between
+    them): the same bits as the kernel's own contiguous output, on a copy of the same cache, and the contract."""
+    inputs = _chunk_inputs(generator, device, torch.bfloat16, seq_lens=[0, 70], num_new=300, heads=heads,
+                           head_dim=head_dim)  # fmt: skip
+    query, key, value = inputs.query, inputs.key, inputs.value
+    plan = ops.AttentionPlan(query, key, value, inputs.cache)
+    assert plan.kernel is gluon_prefill and plan.takes_out
+    contiguous = plan.run(query, key, value, tuple(t.clone() for t in inputs.cache))
+    batch, num_heads, num_new, _ = query.shape
+    out = torch.full((batch, num_new, num_heads, head_dim), float("nan"), dtype=query.dtype, device=device)
+    returned = plan.run(query, key, value, inputs.cache, out=out.transpose(1, 2))
+    assert returned.data_ptr() == out.data_ptr() and returned.transpose(1, 2).is_contiguous()
+    assert torch.equal(returned, contiguous)
+    check_call(inputs, returned, inputs.cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
+    with pytest.raises(ValueError, match="unit stride along D"):
+        d_major = torch.empty(batch, head_dim, num_heads, num_new, dtype=query.dtype, device=device)
+        plan.run(query, key, value, inputs.cache, out=d_major.permute(0, 2, 3, 1))
+
+
+def test_a_plan_whose_kernel_writes_its_own_output_refuses_out(device, generator):
+    """A decode call's kernel (and every kernel on the CPU) allocates its output: ``out`` gets a clear error."""
+    inputs = _chunk_inputs(generator, device, torch.float32, seq_lens=[3], num_new=1, heads=(4, 2), head_dim=16)
+    plan = ops.AttentionPlan(inputs.query, inputs.key, inputs.value, inputs.cache)
+    assert not plan.takes_out
+    with pytest.raises(ValueError, match="pass out=None"):
+        plan.run(inputs.query, inputs.key, inputs.value, inputs.cache, out=torch.empty_like(inputs.query))
+    assert inputs.cache[2].tolist() == [3]  # refused before anything ran

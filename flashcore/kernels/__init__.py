@@ -2,7 +2,9 @@
 
 A validated call (:class:`~flashcore.kernels.call.KernelCall`) runs on the first kernel of its backend's row whose
 ``supports(call)`` is true. Every module in the table exposes ``NAME``, ``supports(call)`` and ``run(call)``; every
-one obeys the contract of :func:`flashcore.attention_with_kv_cache` and is tested against the same fp64 oracle.
+one obeys the contract of :func:`flashcore.attention_with_kv_cache` and is tested against the same fp64 oracle. A
+module whose ``TAKES_OUT`` is true also takes ``run(call, out=...)``, a tensor of any strides with a unit stride
+along D to write the output into (``flashcore.ops.AttentionPlan.run``).
 
 ==========  ======================  =====================================================================
 backend     kernel (``NAME``)       takes

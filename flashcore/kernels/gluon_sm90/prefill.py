@@ -77,7 +77,8 @@ if common.HAS_GLUON:
         (q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, q_smem, k_tiles, v_tiles, q_ready, ready, empty,
          tail_fixed, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, row_tickets_ptr,
          batch, seq_len_before, seq_len, num_new, capacity, q_row, new_row, cache_row, cache_col, cache_row_stride,
-         m0, num_cache_tiles, num_tiles, num_row_programs, is_appender, qk_scale) = args  # fmt: skip
+         m0, num_cache_tiles, num_tiles, num_row_programs, is_appender, qk_scale, out_base,
+         out_token_stride) = args  # fmt: skip
         HALF_M: gl.constexpr = q_smem.type.shape[1]
         TILE_N: gl.constexpr = k_tiles.type.shape[1]
         STAGES: gl.constexpr = k_tiles.type.shape[0]
@@ -109,7 +110,8 @@ if common.HAS_GLUON:
         (q_desc, k_desc, v_desc, k_cache_desc, v_cache_desc, q_smem, k_tiles, v_tiles, q_ready, ready, empty,
          tail_fixed, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, seq_lens_ptr, row_tickets_ptr,
          batch, seq_len_before, seq_len, num_new, capacity, q_row, new_row, cache_row, cache_col, cache_row_stride,
-         m0, num_cache_tiles, num_tiles, num_row_programs, is_appender, qk_scale) = args  # fmt: skip
+         m0, num_cache_tiles, num_tiles, num_row_programs, is_appender, qk_scale, out_base,
+         out_token_stride) = args  # fmt: skip
         HALF_M: gl.constexpr = q_smem.type.shape[1]
         D: gl.constexpr = q_smem.type.shape[2]
         TILE_N: gl.constexpr = k_tiles.type.shape[1]
@@ -186,7 +188,7 @@ if common.HAS_GLUON:
         out = acc / gl.where(l_out > 0.0, l_out, 1.0)[:, None]
         out_token = first_row + gl.arange(0, HALF_M, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        out_offsets = (q_row - m0 + out_token).to(gl.int64)[:, None] * D + offs_d[None, :]
+        out_offsets = out_base + out_token.to(gl.int64)[:, None] * out_token_stride + offs_d[None, :]
         gl.store(out_ptr + out_offsets, out.to(dtype), mask=(out_token < num_new)[:, None])
 
     @gluon.jit
@@ -196,7 +198,7 @@ if common.HAS_GLUON:
         v_ptr,
         k_cache_ptr,  # [B, H_kv, S_max, D], a layout common.cache_tile_grid takes: the append's target
         v_cache_ptr,
-        out_ptr,  # [B, H_q, S_q, D], contiguous
+        out_ptr,  # [B, H_q, S_q, D], unit stride along D; contiguous, or token-major (run's out)
         seq_lens_ptr,  # [B] int32
         row_tickets_ptr,  # [B] int32, zero between calls: the row's last program resets it
         q_desc,  # TMA descriptor over query [B * H_q * S_q, D], [64, D] boxes
@@ -211,6 +213,7 @@ if common.HAS_GLUON:
         num_kv_heads,
         rows_per_group,  # (batch, query head) rows per launch-order group, a multiple of the GQA group
         qk_scale,  # softmax scale * log2(e)
+        out_batch_stride, out_head_stride, out_token_stride,  # out's strides, in elements
         BLOCK_M: gl.constexpr,
         NUM_STAGES: gl.constexpr,
     ):  # fmt: skip
@@ -263,6 +266,7 @@ if common.HAS_GLUON:
             batch, seq_len_before, seq_len, num_new, capacity, pid_bh * num_new + m0, kv_row * num_new,
             batch * rows_per_batch + kv_head * rows_per_head, kv_head * cols_per_head, cache_row_stride, m0,
             num_cache_tiles, num_tiles, num_m_blocks * num_q_heads, head % group == 0, qk_scale,
+            batch.to(gl.int64) * out_batch_stride + head.to(gl.int64) * out_head_stride, out_token_stride,
         )  # fmt: skip
         gl.warp_specialize(
             [(_attend_half, (args, 0)), (_attend_half, (args, 1)), (_stream_tiles, (args, 0))],
@@ -273,12 +277,24 @@ if common.HAS_GLUON:
     _launch_prefill = CachedLauncher(_warp_specialized_prefill_kernel)
 
 
-def run(call: KernelCall) -> torch.Tensor:
-    """Append-and-attend for a call that :func:`supports` accepts, in one launch."""
+TAKES_OUT = True  # run takes out=: see flashcore.kernels
+
+
+def run(call: KernelCall, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Append-and-attend for a call that :func:`supports` accepts, in one launch; returns the output, written into
+    ``out`` where one is given: ``[B, H_q, S_q, D]`` of the query's dtype and device, unit stride along D and
+    16-byte aligned, any other strides. A token-major one (``torch.empty(B, S_q, H_q, D).transpose(1, 2)``) is what a
+    model's o projection reads, with no copy between them."""
     query, key, value, k_cache, v_cache, seq_lens, _, _, scale, _ = call
     batch, num_q_heads, num_new, _ = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or out.stride(3) != 1:
+        raise ValueError(
+            f"out must be [B, H_q, S_q, D] {tuple(query.shape)} of {query.dtype} on {query.device} with a unit stride "
+            f"along D, got {tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}"
+        )
     if batch == 0:
         return out
     row_tickets = scratch_buffer("row_tickets", batch, torch.int32, query.device)
@@ -297,7 +313,7 @@ def run(call: KernelCall) -> torch.Tensor:
             tile_descriptor(query, CONFIG.block_m // 2), tile_descriptor(key, CONFIG.block_n),
             tile_descriptor(value, CONFIG.block_n),
             k_cache_desc, v_cache_desc, grid.cols, grid.rows_per_batch, grid.rows_per_head, grid.cols_per_head,
-            num_new, capacity, num_q_heads, num_kv_heads, rows_per_group, scale * configs.LOG2_E,
+            num_new, capacity, num_q_heads, num_kv_heads, rows_per_group, scale * configs.LOG2_E, *out.stride()[:3],
         ),
         dict(BLOCK_M=CONFIG.block_m, NUM_STAGES=CONFIG.num_stages),
         num_warps=4,
