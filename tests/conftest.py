@@ -74,9 +74,9 @@ def record_kernel_runs(monkeypatch, record) -> None:
     for backend, row in flashcore.kernels.ATTENTION_KERNELS.items():
         for kernel in row:
 
-            def recording_run(call, kernel=kernel, backend=backend, run=kernel.run):
+            def recording_run(call, kernel=kernel, backend=backend, run=kernel.run, **options):
                 record(backend, kernel, call)
-                return run(call)
+                return run(call, **options)  # options: out=, for a kernel that TAKES_OUT
 
             monkeypatch.setattr(kernel, "run", recording_run)
 
