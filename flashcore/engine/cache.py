@@ -74,8 +74,12 @@ class EngineCache(FlashCoreCache):
             raise RuntimeError("EngineCache runs only under a model patched by apply_flashcore_to_llama")
         return key_states, value_states
 
-    def append_and_attend(self, layer_idx, query, key, value, *, query_lens=None, scale=None, backend="auto"):
-        """One layer's step under ``self.layout``: append and attend in one launch; returns ``[B, H_q, S_q, D]``."""
+    def append_and_attend(
+        self, layer_idx, query, key, value, *, query_lens=None, scale=None, backend="auto", token_major=False
+    ):
+        """One layer's step under ``self.layout``: append and attend in one launch; returns ``[B, H_q, S_q, D]``,
+        contiguous: ``token_major`` is a layout preference (``FlashCoreCache.append_and_attend``) that the engine's
+        calls, through the op, do not take."""
         layout = self.layout
         if layout is None:
             raise RuntimeError("EngineCache is stepped by the engine: set cache.layout before the forward")
