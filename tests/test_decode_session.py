@@ -75,7 +75,7 @@ def test_second_turn_continues_the_cache(device, generator, request):
 def test_prefill_after_reset_reads_no_lengths_and_a_full_cache_still_refuses(device, generator, request, monkeypatch):
     """The cache checks capacity with no host read while its count on the host shows room. Replayed steps run no
     Python in the cache; the session counts them, so a prefill after reset() needs no read even once steps were
-    captured (a read there stalls the GPU mid-prefill, NOTES.md, entry 84), and a turn that would overflow the rows
+    captured (a read there makes the host wait for the GPU, NOTES.md, entry 84), and a turn that would overflow the rows
     they filled is still refused, before anything is written."""
     reads = []
     check_capacity = FlashCoreLayer.check_capacity
