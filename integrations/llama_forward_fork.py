@@ -227,11 +227,14 @@ def _project_residual(
     ):
         return layer_ops.rows_gemm(x, linear.weight, linear.bias, up=up, residual=residual)
     x = x if up is None else layer_ops.silu_and_mul(x, up)
-    if residual is not None and residual.is_cuda and linear.bias is None and _is_plain_linear(linear):
-        # A prefill's down projection: the residual add in cuBLAS's epilogue (beta = 1), one launch and one pass over
-        # the hidden states fewer, and one rounding where there were two (NOTES.md, entry 84).
-        flat = torch.addmm(residual.reshape(-1, residual.shape[-1]), x.reshape(-1, x.shape[-1]), linear.weight.t())
-        return flat.view(residual.shape)
+    adds_in_place = residual is not None and residual.is_cuda and residual.is_contiguous() and linear.bias is None
+    if up is not None and adds_in_place and _is_plain_linear(linear):
+        # A prefill's down projection: the residual added in cuBLAS's epilogue (beta = 1), in place, one launch and
+        # one rounding fewer (NOTES.md, entry 84). In place: torch.addmm would first copy the residual into its
+        # output. The residual here is the layer's own sum after attention (decoder_layer_forward), read by nothing
+        # after this add.
+        residual.view(-1, residual.shape[-1]).addmm_(x.view(-1, x.shape[-1]), linear.weight.t())
+        return residual
     out = linear(x)
     return out if residual is None else residual + out
 
