@@ -282,8 +282,8 @@ TAKES_OUT = True  # run takes out=: see flashcore.kernels
 
 def run(call: KernelCall, out: torch.Tensor | None = None) -> torch.Tensor:
     """Append-and-attend for a call that :func:`supports` accepts, in one launch; returns the output, written into
-    ``out`` where one is given: ``[B, H_q, S_q, D]`` of the query's dtype and device, unit stride along D and
-    16-byte aligned, any other strides. A token-major one (``torch.empty(B, S_q, H_q, D).transpose(1, 2)``) is what a
+    ``out`` where one is given: ``[B, H_q, S_q, D]`` of the query's dtype and device, unit stride along D, any other
+    strides. A token-major one (``torch.empty(B, S_q, H_q, D).transpose(1, 2)``) is what a
     model's o projection reads, with no copy between them."""
     query, key, value, k_cache, v_cache, seq_lens, _, _, scale, _ = call
     batch, num_q_heads, num_new, _ = query.shape
