@@ -50,6 +50,22 @@ def on_device_of(tensor: torch.Tensor):
 _STAY = contextlib.nullcontext()  # reusable: one object for every call that stays where it is
 
 
+def per_device(query):
+    """``query(device)`` asked once per device, the answers kept in a dict. ``functools.cache`` would do eagerly, but
+    the layer ops ask these in a compiled step's traced code too, and torch.compile warns at every
+    ``lru_cache``-wrapped function it traces into."""
+    answers = {}
+
+    @functools.wraps(query)
+    def cached(device: torch.device):
+        answer = answers.get(device)
+        if answer is None:
+            answer = answers[device] = query(device)
+        return answer
+
+    return cached
+
+
 _as_captured = False  # set by kernels_as_captured(); one flag per process, as flashcore runs one stream per device
 
 

@@ -9,6 +9,8 @@ graph-replayed and compiled (issue 5's "tokens identical to eager flashcore").
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import DTYPES, ON_GPU, randn
@@ -535,6 +537,29 @@ def test_rows_mlp_op_compiles_to_eager_bits(device, generator):
 
     torch._dynamo.reset()
     assert torch.equal(torch.compile(two_mlps, fullgraph=True)(x), two_mlps(x))
+
+
+def test_traced_kernel_choices_warn_nothing(device, generator):
+    """A compiled step asks which kernel runs a projection (``rows_mlp_fuses``, ``rows_gemm_streams``) in traced
+    code, and they ask per-device questions (sm_90 or not, the SM count). torch.compile warns at every
+    ``lru_cache``-wrapped function it traces into, so those answers are kept per device in dicts
+    (``backends.per_device``): the compiled choice is the eager one, with no such warning. On the CPU the first
+    question already says no; on an H100 every one is asked."""
+    rows, hidden, intermediate = 3, 128, 256
+    x = randn((rows, hidden), generator=generator, dtype=torch.bfloat16, device=device)
+    gate_up = randn((2 * intermediate, hidden), generator=generator, dtype=torch.bfloat16, device=device)
+    down = randn((hidden, intermediate), generator=generator, dtype=torch.bfloat16, device=device)
+
+    def choices(x):
+        fuses = layer_ops.rows_mlp_fuses(x, gate_up, down)
+        return x + (2 if fuses else 0) + (1 if layer_ops.rows_gemm_streams(x, gate_up, swiglu=True) else 0)
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(choices, fullgraph=True)(x)
+    assert torch.equal(compiled, choices(x))
+    assert [str(w.message) for w in caught if "lru_cache" in str(w.message)] == []
 
 
 def test_rows_gemm_op_writes_its_out_and_compiles_to_eager_bits(device, generator):

@@ -7,11 +7,12 @@ device), so a choice is stable across decode steps and safe to make during CUDA-
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
+
+from flashcore.backends import per_device
 
 LOG2_E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)): every kernel takes scale * LOG2_E and uses exp2
 
@@ -138,14 +139,14 @@ def rows_per_launch_group(
     return max(1, min(num_rows, l2_bytes(device) // 2 // kv_bytes_per_row))
 
 
-@functools.cache
+@per_device
 def l2_bytes(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_L2_BYTES
     return torch.cuda.get_device_properties(device).L2_cache_size
 
 
-@functools.cache
+@per_device
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_NUM_SMS

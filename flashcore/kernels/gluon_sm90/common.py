@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashcore.backends import triton_interpreter_enabled
+from flashcore.backends import per_device, triton_interpreter_enabled
 
 try:
     from triton.experimental import gluon
@@ -126,7 +126,7 @@ if HAS_GLUON:
         gl.store(out_ptrs, merged.to(out_ptr.dtype.element_ty), mask=is_row_valid[:, None])
 
 
-@functools.cache
+@per_device
 def runs_on(device: torch.device) -> bool:
     """Whether the Gluon kernels can run on ``device``: an sm_90 GPU, not the interpreter.
 

@@ -243,11 +243,19 @@ def tma_rows_gemm_config(k: int, swiglu: bool) -> dict:
     were the fastest of the rings and splits tried, or within 3.3 µs a step of it (down in 8 slices): o one slice,
     ring 6 (4 slices, ring 4: 35 µs a step slower); gate/up with the SiLU-and-mul one slice, ring 2 (2 slices: 66 µs
     slower); down 4 slices, ring 4 (2 slices, ring 6: 25 µs slower)."""
+    split_k = split_k_for(k)
+    return dict(split_k=split_k, num_stages=2 if swiglu else 4 if split_k > 1 else 6)
+
+
+def split_k_for(k: int) -> int:
+    """:func:`tma_rows_gemm_config`'s K slices for ``k``: the fewest of at most ``MAX_TILES_PER_SPLIT`` tiles that
+    divide K's tiles evenly. Not cached: ``rows_mlp.supports`` calls it in a compiled step's traced code, where
+    torch.compile warns at every ``lru_cache``-wrapped function."""
     tiles = k // BLOCK_K
     split_k = triton.cdiv(tiles, MAX_TILES_PER_SPLIT)
     while tiles % split_k:
         split_k += 1
-    return dict(split_k=split_k, num_stages=2 if swiglu else 4 if split_k > 1 else 6)
+    return split_k
 
 
 MAX_CACHED_DESCRIPTORS = 1024  # a model's weights: a few per layer

@@ -27,6 +27,7 @@ import functools
 
 import torch
 
+from flashcore.kernels.configs import num_sms
 from flashcore.kernels.gluon_sm90 import common
 from flashcore.kernels.gluon_sm90 import rows_gemm as tma_rows_gemm
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
@@ -165,11 +166,6 @@ if common.HAS_GLUON:
     _launch_tma_rows_mlp = CachedLauncher(_tma_rows_mlp_kernel)
 
 
-@functools.cache
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def supports(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.Tensor) -> bool:
     """Whether one launch takes the MLP: ``rows_gemm``'s TMA kernel takes both projections (``swiglu`` for gate/up),
     the down weight is ``[H, I]`` for a gate/up weight of ``[2 I, H]``, H in whole ``BLOCK_N`` blocks and I in whole
@@ -184,11 +180,11 @@ def supports(x: torch.Tensor, gate_up_weight: torch.Tensor, down_weight: torch.T
         return False
     if down_weight.stride(1) != 1 or (down_weight.stride(0) * down_weight.element_size()) % 16:
         return False
-    split = mlp_config(hidden, intermediate)["down_split"]
+    split = tma_rows_gemm.split_k_for(intermediate)  # mlp_config's down_split
     if (intermediate // BLOCK_N) % split:
         return False
     grid = max(intermediate // BLOCK_N, hidden // BLOCK_N * split)
-    return grid <= _multiprocessors(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return grid <= num_sms(x.device)
 
 
 @functools.cache
