@@ -551,8 +551,8 @@ def test_traced_kernel_choices_warn_nothing(device, generator):
     down = randn((hidden, intermediate), generator=generator, dtype=torch.bfloat16, device=device)
 
     def choices(x):
-        fuses = layer_ops.rows_mlp_fuses(x, gate_up, down)
-        return x + (2 if fuses else 0) + (1 if layer_ops.rows_gemm_streams(x, gate_up, swiglu=True) else 0)
+        fuses, streams = layer_ops.rows_mlp_fuses(x, gate_up, down), layer_ops.rows_gemm_streams(x, gate_up, True)
+        return torch.full((1,), 2 * int(fuses) + int(streams), device=x.device)
 
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
