@@ -432,11 +432,11 @@ def session_probe_main(
     report: dict | None = None,
 ) -> None:
     """The main of the session probes (``probes/session_*_b1.py``, ``_b16.py``): ``--out``, ``--rounds``,
-    ``--variants``, ``--max-cache-len`` and ``--replays`` (``SESSION_SHAPE``); ``bench_generate``'s model (the
-    Llama-3.2-1B shape, bf16) and ``batch`` random 512-token prompts on the GPU; then ``timed_session(model,
-    input_ids, *variants[name])`` for each variant, alternating over the rounds, and the rows of
-    :func:`alternating_step_rounds` written as JSON, with ``report`` (a dict the probe fills as it runs) under
-    ``"report"`` where given."""
+    ``--variants``, ``--max-cache-len`` and ``--replays`` (``SESSION_SHAPE``), ``--batch`` (default ``batch``);
+    ``bench_generate``'s model (the Llama-3.2-1B shape, bf16) and that many random 512-token prompts on the GPU;
+    then ``timed_session(model, input_ids, *variants[name])`` for each variant, alternating over the rounds, and the
+    rows of :func:`alternating_step_rounds` written as JSON, with ``report`` (a dict the probe fills as it runs)
+    under ``"report"`` where given."""
     from bench_generate import build_config, build_model
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -445,12 +445,13 @@ def session_probe_main(
     parser.add_argument("--variants", default=",".join(variants))
     parser.add_argument("--max-cache-len", type=int, default=SESSION_SHAPE["max_cache_len"])
     parser.add_argument("--replays", type=int, default=SESSION_SHAPE["replays"])
+    parser.add_argument("--batch", type=int, default=batch)
     args = parser.parse_args()
     SESSION_SHAPE.update(max_cache_len=args.max_cache_len, replays=args.replays)
     device = torch.device("cuda")
     model = build_model(build_config(is_tiny=False), device)
     generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, model.config.vocab_size, (batch, 512), generator=generator).to(device)
+    input_ids = torch.randint(3, model.config.vocab_size, (args.batch, 512), generator=generator).to(device)
 
     def run(name: str) -> dict:
         return timed_session(model, input_ids, *variants[name])

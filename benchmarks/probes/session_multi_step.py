@@ -18,7 +18,6 @@ steps). The tokens (row 0's 28: the prefill's and the 27 steps') are compared wi
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from pathlib import Path
@@ -68,11 +67,7 @@ def timed_session(model, input_ids, steps_per_graph: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--batch", type=int, default=16)
-    args, rest = parser.parse_known_args()
-    sys.argv = [sys.argv[0], *rest]
-    harness.session_probe_main(__doc__, VARIANTS, timed_session, reference="steps_1", batch=args.batch)
+    harness.session_probe_main(__doc__, VARIANTS, timed_session, reference="steps_1", batch=16)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ reports the step time only. ``shipped``: the session as it is. ``DecodeSession``
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -42,11 +41,7 @@ def timed_session(model, input_ids, columns: int | None) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--batch", type=int, default=16)
-    args, rest = parser.parse_known_args()
-    sys.argv = [sys.argv[0], *rest]
-    harness.session_probe_main(__doc__, VARIANTS, timed_session, reference="shipped", batch=args.batch)
+    harness.session_probe_main(__doc__, VARIANTS, timed_session, reference="shipped", batch=16)
 
 
 if __name__ == "__main__":
