@@ -13,8 +13,10 @@ wrong; only the time counts. ``shipped``: the session as it is. ``DecodeSession`
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -26,13 +28,9 @@ VARIANTS = {"shipped": (False,), "no_add_norm": (True,)}
 
 
 def timed_session(model, input_ids, skip_add_norm: bool) -> dict:
-    shipped = layer_ops.add_rms_norm
-    if skip_add_norm:
-        layer_ops.add_rms_norm = lambda attn_output, residual, weight, eps: (residual, attn_output)
-    try:
+    no_launch = lambda attn_output, residual, weight, eps: (residual, attn_output)  # noqa: E731
+    with mock.patch.object(layer_ops, "add_rms_norm", no_launch) if skip_add_norm else contextlib.nullcontext():
         return harness.session_steps(model, input_ids, fuse_projections=True, layer_kernels=True)
-    finally:
-        layer_ops.add_rms_norm = shipped
 
 
 def main() -> None:

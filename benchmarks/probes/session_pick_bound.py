@@ -18,8 +18,10 @@ reports the step time only. ``shipped``: the session as it is. ``DecodeSession``
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,12 +34,9 @@ VARIANTS = {"shipped": (None,), "pick_2048": (2048,)}
 
 def timed_session(model, input_ids, columns: int | None) -> dict:
     shipped = decode_session.pick_and_advance
-    if columns is not None:
-        decode_session.pick_and_advance = lambda scores, *rest: shipped(scores[:, :columns], *rest)
-    try:
+    first_columns = lambda scores, *rest: shipped(scores[:, :columns], *rest)  # noqa: E731
+    with mock.patch.object(decode_session, "pick_and_advance", first_columns) if columns else contextlib.nullcontext():
         return harness.session_steps(model, input_ids, fuse_projections=True, layer_kernels=True)
-    finally:
-        decode_session.pick_and_advance = shipped
 
 
 def main() -> None:
