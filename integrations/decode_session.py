@@ -17,8 +17,8 @@ a near-tie (``benchmarks/NOTES.md``, entries 8 and 32). ``fuse_projections=True`
 gate/up projections as one GEMM each (on the H100, cuBLAS gives bitwise the same outputs as the separate GEMMs, and
 the 2 MB k/v GEMVs stop being latency-bound). ``layer_kernels=True`` runs the norms, RoPE and SiLU-and-mul on
 flashcore's kernels: inductor then has nothing left to fuse that changes bits, so a compiled session keeps eager's
-tokens, and a plain replayed one launches about 24 fewer kernels per layer and is nearly as fast (H100, B1:
-1.43 ms per step replayed, 1.37 ms compiled; entry 32).
+tokens, and a plain replayed one launches about 24 fewer kernels per layer and is as fast (H100, B1: 0.991 ms per
+step replayed, 0.998 ms compiled, ``bench_generate`` at bb401a0; entry 84).
 """
 
 from __future__ import annotations
