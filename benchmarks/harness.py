@@ -423,6 +423,17 @@ def session_steps(model, input_ids: torch.Tensor, **options) -> dict:
     return {"us_per_step": statistics.median(timings), "tokens": tokens}
 
 
+def bench_model_and_prompts(batch: int, device: torch.device, prompt_len: int = 512) -> tuple:
+    """``bench_generate``'s model (the Llama-3.2-1B shape, random bf16 weights) on ``device`` and ``batch`` random
+    prompts of ``prompt_len`` tokens (seed 0): ``(model, input_ids)``, what the B=1 and B=16 probes run on."""
+    from bench_generate import build_config, build_model
+
+    model = build_model(build_config(is_tiny=False), device)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(3, model.config.vocab_size, (batch, prompt_len), generator=generator).to(device)
+    return model, input_ids
+
+
 def session_probe_main(
     doc: str,
     variants: dict,
@@ -437,8 +448,6 @@ def session_probe_main(
     then ``timed_session(model, input_ids, *variants[name])`` for each variant, alternating over the rounds, and the
     rows of :func:`alternating_step_rounds` written as JSON, with ``report`` (a dict the probe fills as it runs)
     under ``"report"`` where given."""
-    from bench_generate import build_config, build_model
-
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--rounds", type=int, default=2)
@@ -449,9 +458,7 @@ def session_probe_main(
     args = parser.parse_args()
     SESSION_SHAPE.update(max_cache_len=args.max_cache_len, replays=args.replays)
     device = torch.device("cuda")
-    model = build_model(build_config(is_tiny=False), device)
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, model.config.vocab_size, (args.batch, 512), generator=generator).to(device)
+    model, input_ids = bench_model_and_prompts(args.batch, device)
 
     def run(name: str) -> dict:
         return timed_session(model, input_ids, *variants[name])

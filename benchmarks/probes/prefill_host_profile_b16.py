@@ -25,7 +25,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
-from bench_generate import build_config, build_model  # noqa: E402
 
 from flashcore.integrations.decode_session import DecodeSession  # noqa: E402
 
@@ -54,9 +53,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args()
     device = torch.device("cuda")
-    model = build_model(build_config(is_tiny=False), device)
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, model.config.vocab_size, (16, 512), generator=generator).to(device)
+    model, input_ids = harness.bench_model_and_prompts(16, device)
     profiler = cProfile.Profile()
     with torch.inference_mode():
         session = DecodeSession(model, max_cache_len=768, batch_size=16, fuse_projections=True, layer_kernels=True)

@@ -41,7 +41,6 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
-from bench_generate import build_config, build_model  # noqa: E402
 
 import flashcore  # noqa: E402
 from flashcore.integrations.decode_session import DecodeSession  # noqa: E402
@@ -168,9 +167,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     device = torch.device("cuda")
-    model = build_model(build_config(is_tiny=False), device)
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, model.config.vocab_size, (16, 512), generator=generator).to(device)
+    model, input_ids = harness.bench_model_and_prompts(16, device)
     with torch.inference_mode():
         session = DecodeSession(model, max_cache_len=768, batch_size=16, fuse_projections=True, layer_kernels=True)
         for _ in range(2):

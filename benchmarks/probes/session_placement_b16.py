@@ -51,7 +51,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode_step_kernels  # noqa: E402
 import harness  # noqa: E402
-from bench_generate import build_config, build_model  # noqa: E402
 
 from flashcore.integrations import layer_kernels  # noqa: E402
 from flashcore.integrations.decode_session import DecodeSession  # noqa: E402
@@ -168,9 +167,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also each session's kernels by category")
     args = parser.parse_args()
     device = torch.device("cuda")
-    model = build_model(build_config(is_tiny=False), device)
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, model.config.vocab_size, (16, 512), generator=generator).to(device)
+    model, input_ids = harness.bench_model_and_prompts(16, device)
     options = dict(fuse_projections=True, layer_kernels=True)
     max_cache_len, replays = harness.SESSION_SHAPE["max_cache_len"], harness.SESSION_SHAPE["replays"]
     rows, kept = [], []

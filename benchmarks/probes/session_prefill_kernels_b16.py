@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import decode_step_kernels  # noqa: E402
 import harness  # noqa: E402
-from bench_generate import build_config, build_model  # noqa: E402
 
 from flashcore.integrations.decode_session import DecodeSession  # noqa: E402
 from flashcore.kernels.triton import layer_kernels  # noqa: E402
@@ -139,9 +138,7 @@ def main() -> None:
     if args.rotary_heads is not None:
         layer_kernels.ROTARY_HEADS_PER_PROGRAM = args.rotary_heads
     device = torch.device("cuda")
-    model = build_model(build_config(is_tiny=False), device)
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, model.config.vocab_size, (16, 512), generator=generator).to(device)
+    model, input_ids = harness.bench_model_and_prompts(16, device)
     head = model.get_output_embeddings().weight.numel()
     layer_weights = sum(p.numel() for p in model.model.layers.parameters() if p.dim() == 2)
     flop = 2 * layer_weights * input_ids.numel() + 2 * head * input_ids.shape[0]  # the LM head: last tokens only

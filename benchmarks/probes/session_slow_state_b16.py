@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import decode_step_kernels  # noqa: E402
 import harness  # noqa: E402
-from bench_generate import build_config, build_model  # noqa: E402
 
 from flashcore.integrations import layer_kernels  # noqa: E402
 
@@ -36,9 +35,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
     device = torch.device("cuda")
-    model = build_model(build_config(is_tiny=False), device)
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, model.config.vocab_size, (16, 512), generator=generator).to(device)
+    model, input_ids = harness.bench_model_and_prompts(16, device)
     runs_kernel_norm = layer_kernels.runs_kernel_norm
     rows = []
     with torch.inference_mode():

@@ -77,14 +77,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    from bench_generate import build_config, build_model
-
     from flashcore.integrations.decode_session import DecodeSession
 
     device = torch.device("cuda")
-    model = build_model(build_config(is_tiny=False), device)
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, model.config.vocab_size, (16, 512), generator=generator).to(device)
+    model, input_ids = harness.bench_model_and_prompts(16, device)
     with torch.inference_mode():
         session = DecodeSession(model, max_cache_len=768, batch_size=16, fuse_projections=True, layer_kernels=True)
         session.prefill(input_ids)
