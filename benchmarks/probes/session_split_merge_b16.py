@@ -7,9 +7,10 @@ the merge in a second launch (what a captured step does, ``split_merge.merges_in
 step slower. Here the splits merge in the attention launch, as they do eagerly: the last split of each row and KV
 head to finish combines the partials, so no launch is added, and each SM streams two programs' tiles at once.
 
-Variants: ``shipped`` (one split); ``in_launch_<n>``, n splits merged in the launch; ``separate_2``, two splits
-merged in a second launch (entry 65's). ``DecodeSession`` with ``fuse_projections`` and ``layer_kernels``
-(``bench_generate``'s ``kernels_session``), timed as ``harness.session_steps`` does.
+Variants: ``shipped`` (one split); ``in_launch_<n>``, n splits merged in the launch; ``separate_<n>``, n splits
+merged in a second launch (entry 65's); ``separate_2_block_128``, two splits of 128-key tiles (the kernel's choice
+is 64 where programs share an SM, ``configs.gluon_decode_block_n``). ``DecodeSession`` with ``fuse_projections``
+and ``layer_kernels`` (``bench_generate``'s ``kernels_session``), timed as ``harness.session_steps`` does.
 
     python benchmarks/probes/session_split_merge_b16.py --max-cache-len 768 --replays 40 --out x.json
 """
@@ -30,15 +31,18 @@ from flashcore.kernels.gluon_sm90 import decode  # noqa: E402
 from flashcore.kernels.triton import split_merge  # noqa: E402
 
 VARIANTS = {
-    "shipped": (1, False),
-    "in_launch_2": (2, True),
-    "in_launch_3": (3, True),
-    "in_launch_4": (4, True),
-    "separate_2": (2, False),
+    "shipped": (1, False, 0),
+    "in_launch_2": (2, True, 0),
+    "in_launch_3": (3, True, 0),
+    "in_launch_4": (4, True, 0),
+    "separate_2": (2, False, 0),
+    "separate_2_block_128": (2, False, 128),
+    "separate_3": (3, False, 0),
+    "separate_4": (4, False, 0),
 }
 
 
-def timed_session(model, input_ids, splits: int, in_launch: bool) -> dict:
+def timed_session(model, input_ids, splits: int, in_launch: bool, block_n: int) -> dict:
     default_splits = configs.num_kv_splits
 
     def forced_splits(num_programs, capacity, device, wanted=0):
@@ -47,6 +51,8 @@ def timed_session(model, input_ids, splits: int, in_launch: bool) -> dict:
     patches = contextlib.ExitStack()
     with patches:
         patches.enter_context(mock.patch.object(configs, "num_kv_splits", forced_splits))
+        if block_n:
+            patches.enter_context(mock.patch.object(configs, "gluon_decode_block_n", lambda *args: block_n))
         if in_launch:
             patches.enter_context(mock.patch.object(split_merge, "merges_in_attention_launch", lambda device: True))
         decode.forget_launch_plans()  # the split count is cached per shape
@@ -57,7 +63,7 @@ def timed_session(model, input_ids, splits: int, in_launch: bool) -> dict:
 
 
 def main() -> None:
-    harness.session_probe_main(__doc__, VARIANTS, timed_session, reference="shipped", batch=16)
+    harness.session_probe_main(__doc__, VARIANTS, timed_session, reference="separate_2", batch=16)
 
 
 if __name__ == "__main__":
