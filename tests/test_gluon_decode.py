@@ -124,16 +124,53 @@ def test_split_counts_from_many_to_one(batch, device, generator):
     check_call(inputs, out, cache, atol=TOLERANCES[torch.bfloat16], is_causal=True)
 
 
+def test_launch_plan_splits_and_tiles(monkeypatch):
+    """The plan for the H100's 132 SMs (host code, on any machine): one wave of splits where the rows' programs
+    fill at most half the SMs; two splits where they fill more than half but not all (two programs to most SMs);
+    one split from a full wave on. 128-key tiles at D 64 where the programs, before splitting, are at most one an
+    SM and every split keeps its length; 64-key tiles at D 128."""
+    monkeypatch.setattr(configs, "num_sms", lambda device: 132)
+    gluon_decode.forget_launch_plans()  # plans are cached per shape: none made with the real count
+    try:
+        cpu = torch.device("cpu")
+        plans = {
+            (programs, head_dim): gluon_decode._launch_plan(programs, 1280, 4, head_dim, cpu)[:2]
+            for programs in (8, 64, 66, 67, 128, 132, 133, 192)
+            for head_dim in (64, 128)
+        }
+        for head_dim, block_n in ((64, 128), (128, 64)):
+            assert plans[8, head_dim] == (block_n, 16)
+            assert plans[64, head_dim] == (block_n, 2)
+            assert plans[66, head_dim] == (block_n, 2)
+            assert plans[67, head_dim] == (block_n, 2)
+            assert plans[128, head_dim] == (block_n, 2)
+            assert plans[132, head_dim] == (block_n, 2)
+            assert plans[133, head_dim] == (64, 1)
+            assert plans[192, head_dim] == (64, 1)
+    finally:
+        gluon_decode.forget_launch_plans()
+
+
 @hopper_only
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 @pytest.mark.parametrize(
-    "seq_lens, capacity, block_n",
-    [([1279], 1280, 64), ([4351, 127], 4352, 128), ([1, 2049], 4352, 128)],
-    ids=["splits_of_64_keys", "128_key_tiles_full_row", "128_key_tiles_tails"],
-)
-def test_head_dim_64_tile_sizes(seq_lens, capacity, block_n, dtype, device, generator, monkeypatch):
-    """At D 64 the kernel streams 128-key tiles where one wave holds at most one program per SM and every split
-    keeps its length (configs.gluon_decode_block_n), 64-key tiles elsewhere: both against the oracle, with tails
+    "seq_lens, capacity, block_n, splits",
+    [
+        ([1279], 1280, 64, 20),
+        ([4351, 127], 4352, 128, 22),
+        ([1, 2049], 4352, 128, 22),
+        ([1279, 1, 640, 127] * 8, 1280, 128, 2),
+        ([1279, 1, 640, 127] * 12, 1280, 64, 1),
+    ],
+    ids=[
+        "splits_of_64_keys", "128_key_tiles_full_row", "128_key_tiles_tails", "two_splits_two_an_sm",
+        "one_split_full_wave",
+    ],
+)  # fmt: skip
+def test_head_dim_64_tile_sizes(seq_lens, capacity, block_n, splits, dtype, device, generator, monkeypatch):
+    """At D 64 the kernel streams 128-key tiles where one wave holds at most one program per SM before splitting
+    and every split keeps its length (configs.gluon_decode_block_n), 64-key tiles elsewhere; two splits where one
+    leaves SMs empty but fills more than half (configs.gluon_decode_kv_splits): each against the oracle, with tails
     of 1 and 127 keys and a row filled to the last slot. Planned for the H100's 132 SMs on any GPU."""
     monkeypatch.setattr(configs, "num_sms", lambda device: 132)
     gluon_decode.forget_launch_plans()  # plans are cached per shape: none made with the real count
@@ -141,7 +178,7 @@ def test_head_dim_64_tile_sizes(seq_lens, capacity, block_n, dtype, device, gene
         inputs = _decode_inputs(generator, device, dtype, heads=(9, 3), head_dim=64, seq_lens=seq_lens,
                                 capacity=capacity)  # fmt: skip
         plan = gluon_decode._launch_plan(len(seq_lens) * 3, capacity, 3, 64, device)
-        assert plan[0] == block_n
+        assert plan[:2] == (block_n, splits)
         out, cache = _decode(inputs)
         check_call(inputs, out, cache, atol=TOLERANCES[dtype], is_causal=True)
     finally:

@@ -171,21 +171,42 @@ def num_kv_splits(num_programs: int, capacity: int, device: torch.device, wanted
     return min(splits_to_fill, splits_worth_it, MAX_KV_SPLITS)
 
 
+def gluon_decode_kv_splits(num_programs: int, capacity: int, device: torch.device) -> int:
+    """The Gluon decode kernel's KV splits: :func:`num_kv_splits`'s one wave, except where that is one split and
+    the programs leave some SMs empty but fill more than half (``num_programs`` in (SMs / 2, SMs]): there two
+    splits, two programs to most SMs, as the kernel's registers allow (``GluonDecodeConfig.max_registers``). Each SM
+    then streams two programs' tiles at once; the merge costs a launch under capture, or the last split's merge in
+    the launch when eager.
+
+    H100, a B=16 replayed decode step on the Llama-3.2-1B shape (8 KV heads: 128 programs, 512-1044 keys; NOTES.md,
+    entry 86): two splits merged in a second launch 8-12 µs a step faster than one split, 17 µs with the 128-key
+    tiles of :func:`gluon_decode_block_n`; three or four splits (more programs than fit at once) 19-22 µs slower,
+    and two merged in the attention launch 32 µs slower.
+    """
+    splits = num_kv_splits(num_programs, capacity, device)
+    if splits == 1 and num_programs <= num_sms(device):
+        return num_kv_splits(num_programs, capacity, device, wanted=2)
+    return splits
+
+
 def gluon_decode_block_n(head_dim: int, num_programs: int, num_splits: int, capacity: int, device: torch.device) -> int:
     """Keys per K/V tile of the Gluon decode kernel: 64, a 16 KiB tile at D 128; at D 64, 128 keys (the same 16 KiB)
-    where one wave holds at most one program per SM and the larger tile leaves every split of a full cache as long
-    as it was (a split ends on a tile boundary).
+    where the rows' programs, before splitting, are at most one per SM, and the larger tile leaves every split of a
+    full cache as long as it was (a split ends on a tile boundary). Split, those programs fill one wave, one to an
+    SM, or two to most SMs (:func:`gluon_decode_kv_splits`).
 
     Why only there. A program alone on its SM pays a barrier handoff per tile that no other program hides, so
     halving the tiles helps; where programs share an SM they hide each other's, and the 8 KiB tile was faster.
     And a split shorter than 128 keys would run past its end in 128-key steps, leaving splits idle. H100, graph
     replay, SmolLM2's 9/3 heads (benchmarks/NOTES.md, entry 33), 128 keys against 64: faster at B1 L4k, B8 L4k,
     B1 L32k, B16 L1k and B32 L1k; slower at B1 L1k (splits of 64 keys) and B64 L4k (192 programs). At D 128 a
-    128-key tile (32 KiB) was slower on 5 of the 6 one-wave rows tried (entry 33).
+    128-key tile (32 KiB) was slower on 5 of the 6 one-wave rows tried (entry 33). Two splits two to an SM are the
+    exception to the sharing rule: 128 keys were 9 µs a step faster than 64 in a B=16 step on the Llama-3.2-1B shape
+    (entry 86).
     """
     split_keys = -(-capacity // num_splits)
     keeps_splits = -(-split_keys // 64) % 2 == 0  # the split, in 64-key tiles, is a whole number of 128-key ones
-    if head_dim == 64 and num_programs * num_splits <= num_sms(device) and keeps_splits:
+    if head_dim == 64 and num_programs <= num_sms(device) and keeps_splits:
         return 128
     return 64
 

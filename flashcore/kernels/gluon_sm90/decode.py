@@ -336,7 +336,7 @@ if common.HAS_GLUON:
 def _launch_plan(batch_kv_heads: int, capacity: int, group: int, head_dim: int, device: torch.device) -> tuple:
     """Keys per tile, KV splits, their power-of-two padding and the merge's rows per step: per shape, computed
     once (host time)."""
-    num_splits = configs.num_kv_splits(batch_kv_heads, capacity, device)
+    num_splits = configs.gluon_decode_kv_splits(batch_kv_heads, capacity, device)
     block_n = configs.gluon_decode_block_n(head_dim, batch_kv_heads, num_splits, capacity, device)
     splits_pad = triton.next_power_of_2(num_splits)
     return block_n, num_splits, splits_pad, configs.merge_rows(group, CONFIG.block_m, splits_pad, head_dim)
