@@ -8,12 +8,12 @@ merge in a second launch (what a captured step does, ``split_merge.merges_in_att
 slower, on the kernels of then. Two splits put two programs on most SMs, each streaming half a row; merged in the
 attention launch, the last split of each row and KV head combines the partials, and no launch is added.
 
-Variants: ``shipped``, the kernel's own choice (``configs.gluon_decode_kv_splits``: since 5f1c1c0 two splits of
+Variants: ``shipped``, the kernel's own choice (``configs.gluon_decode_kv_splits``: since 7eeab90 two splits of
 128-key tiles, merged in a second launch under capture; before, one split); ``one_split``; ``in_launch_<n>``, n
 splits merged in the launch; ``separate_<n>``, n splits merged in a second launch (entry 65's); ``two_splits_64``,
-two splits of 64-key tiles (``configs.gluon_decode_block_n`` before 5f1c1c0). ``DecodeSession`` with
+two splits of 64-key tiles (``configs.gluon_decode_block_n`` before 7eeab90). ``DecodeSession`` with
 ``fuse_projections`` and ``layer_kernels`` (``bench_generate``'s ``kernels_session``), timed as
-``harness.session_steps`` does. The results at d4db64c and 503738d are from the version before 5f1c1c0, whose
+``harness.session_steps`` does. The results at d4db64c and 503738d are from the version before 7eeab90, whose
 ``shipped`` was one split and ``separate_2`` two of 64-key tiles.
 
     python benchmarks/probes/session_split_merge_b16.py --max-cache-len 768 --replays 40 --out x.json
