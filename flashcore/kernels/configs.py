@@ -179,9 +179,9 @@ def gluon_decode_kv_splits(num_programs: int, capacity: int, device: torch.devic
     the launch when eager.
 
     H100, a B=16 replayed decode step on the Llama-3.2-1B shape (8 KV heads: 128 programs, 512-1044 keys; NOTES.md,
-    entry 86): two splits merged in a second launch 8-12 µs a step faster than one split, 17 µs with the 128-key
-    tiles of :func:`gluon_decode_block_n`; three or four splits (more programs than fit at once) 19-22 µs slower,
-    and two merged in the attention launch 32 µs slower.
+    entry 86): two splits merged in a second launch 8-12 µs a step faster than one split, 17-19 µs with the 128-key
+    tiles of :func:`gluon_decode_block_n`; three or four splits (more programs than fit at once) 19-24 µs slower,
+    and two merged in the attention launch 26-33 µs slower.
     """
     splits = num_kv_splits(num_programs, capacity, device)
     if splits == 1 and num_programs <= num_sms(device):
