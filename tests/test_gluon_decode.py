@@ -186,36 +186,6 @@ def test_head_dim_64_tile_sizes(seq_lens, capacity, block_n, splits, dtype, devi
 
 
 @hopper_only
-@pytest.mark.parametrize("dtype", LOW_PRECISION)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize(
-    "heads, seq_lens, query_lens",
-    [
-        ((32, 8), [1279, 1, 640, 127] * 4, None),
-        ((8, 2), [700, 0, 3, 1200], [1, 0, 1, 1]),
-    ],
-    ids=["B16_group_4", "B4_group_4_padding_row"],
-)  # fmt: skip
-def test_query_heads_shared_by_two_programs(heads, seq_lens, query_lens, head_dim, dtype, device, generator,
-                                            monkeypatch):  # fmt: skip
-    """HEAD_SPLITS 2: two programs per (row, KV head), each attending half of its query heads over all of its keys;
-    the first appends the new token and every program takes the row's seq_lens ticket. Against the oracle, with
-    tails of 1 and 127 keys, an empty row and a padding row."""
-    monkeypatch.setattr(configs, "gluon_decode_head_splits", lambda num_programs, group, device: 2)
-    gluon_decode.forget_launch_plans()
-    try:
-        inputs = _decode_inputs(generator, device, dtype, heads=heads, head_dim=head_dim, seq_lens=seq_lens,
-                                capacity=1280, query_lens=query_lens)  # fmt: skip
-        plan = gluon_decode._launch_plan(len(seq_lens) * heads[1], 1280, heads[0] // heads[1], head_dim, device)
-        assert (plan[1], plan[4]) == (1, 2)  # one KV split, two programs per (row, KV head)
-        lens = None if query_lens is None else torch.tensor(query_lens, dtype=torch.int32, device=device)
-        out, cache = _decode(inputs, query_lens=lens)
-        check_call(inputs, out, cache, atol=TOLERANCES[dtype], is_causal=True)
-    finally:
-        gluon_decode.forget_launch_plans()
-
-
-@hopper_only
 def test_row_filled_to_the_last_slot(device, generator):
     """The new token lands in slot S_max - 1, and a tail copy of the prefix reaches the end of the cache."""
     inputs = _decode_inputs(generator, device, torch.float16, seq_lens=[191, 100], capacity=192)

@@ -14,6 +14,9 @@ head, as before 7eeab90); ``head_splits_2`` and ``head_splits_2_64_keys`` (two p
 ``harness.session_steps`` does.
 
     python benchmarks/probes/session_head_splits_b16.py --max-cache-len 768 --replays 40 --out x.json
+
+It runs at 2b3fafa, whose decode kernel takes ``HEAD_SPLITS`` (``configs.gluon_decode_head_splits``); that commit's
+change was reverted after this probe measured it slower than two KV splits (NOTES.md, entry 87).
 """
 
 from __future__ import annotations

@@ -189,12 +189,6 @@ def gluon_decode_kv_splits(num_programs: int, capacity: int, device: torch.devic
     return splits
 
 
-def gluon_decode_head_splits(num_programs: int, group: int, device: torch.device) -> int:
-    """Programs per (batch, KV head) of the Gluon decode kernel, each attending ``group / head_splits`` of its query
-    heads over all of the row's keys: 1, the whole group in one program."""
-    return 1
-
-
 def gluon_decode_block_n(head_dim: int, num_programs: int, num_splits: int, capacity: int, device: torch.device) -> int:
     """Keys per K/V tile of the Gluon decode kernel: 64, a 16 KiB tile at D 128; at D 64, 128 keys (the same 16 KiB)
     where the rows' programs, before splitting, are at most one per SM, and the larger tile leaves every split of a

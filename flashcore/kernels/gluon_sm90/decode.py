@@ -106,10 +106,9 @@ if common.HAS_GLUON:
         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
         seq_lens_ptr, row_tickets_ptr, tile_tickets_ptr, k_tiles, v_tiles, ready, empty,
         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-        batch, kv_head, head_split, split, num_splits, seq_len, row_new, new_seq_len, lo, hi, num_tiles, row_base,
-        col, row_stride, num_kv_heads, capacity, qk_scale,
-        GROUP: gl.constexpr, HEAD_SPLITS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr,
+        batch, kv_head, split, num_splits, seq_len, row_new, new_seq_len, lo, hi, num_tiles, row_base, col,
+        row_stride, num_kv_heads, capacity, qk_scale,
+        GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         USE_SPLIT_KV: gl.constexpr, MERGE_IN_LAUNCH: gl.constexpr, SPLITS_PAD: gl.constexpr,
         MERGE_ROWS: gl.constexpr, ADVANCE_SEQ_LENS: gl.constexpr, NUM_WARPS: gl.constexpr,
         WAIT_IN_PARTITIONS: gl.constexpr, RELEASE_AFTER_WAIT: gl.constexpr,
@@ -133,10 +132,8 @@ if common.HAS_GLUON:
         offs_m = gl.arange(0, BLOCK_M, layout=rows)
         offs_d = gl.arange(0, HEAD_DIM, layout=cols)
         offs_n = gl.arange(0, BLOCK_N, layout=cols)
-        HEADS: gl.constexpr = GROUP // HEAD_SPLITS  # the query heads this program attends: its share of the group
-        mask_m = offs_m < HEADS
-        first_head = kv_head * GROUP + head_split * HEADS
-        head = first_head + offs_m
+        mask_m = offs_m < GROUP
+        head = kv_head * GROUP + offs_m
         q_offsets = batch.to(gl.int64) * stride_q_b + head[:, None] * stride_q_h + offs_d[None, :]
         q = gl.load(q_ptr + q_offsets, mask=mask_m[:, None], other=0.0)
         q_operand = gl.convert_layout(q, a_operand)
@@ -146,7 +143,7 @@ if common.HAS_GLUON:
 
         # -- append new K/V --
         # Into [seq_len, seq_len + 1), which no split reads as a key (a tail copy may cover it: masked below).
-        if (split == 0) & (head_split == 0):
+        if split == 0:
             # A row already at capacity (only with check=False) stores nothing: tokens past capacity are dropped.
             mask_append = (offs_d < HEAD_DIM) & (seq_len < capacity) & (row_new > 0)
             append_offsets = (row_base + seq_len).to(gl.int64) * row_stride + col + offs_d
@@ -197,7 +194,7 @@ if common.HAS_GLUON:
         # A split that saw no key produces exactly 0 and an LSE of -inf, which the merge weighs as nothing.
         has_keys = mask_m & (l_i > 0.0)
         out = gl.where(has_keys[:, None], acc / gl.where(has_keys, l_i, 1.0)[:, None], 0.0)
-        first_out_row = batch * num_kv_heads * GROUP + first_head  # flat (batch, q head): one token per row
+        first_out_row = batch * num_kv_heads * GROUP + kv_head * GROUP  # flat (batch, q head): one token per row
         out_rows = first_out_row + offs_m
         if USE_SPLIT_KV:
             partial_rows = out_rows * num_splits + split
@@ -247,7 +244,6 @@ if common.HAS_GLUON:
         capacity,  # S_max
         qk_scale,  # softmax scale * log2(e)
         GROUP: gl.constexpr,
-        HEAD_SPLITS: gl.constexpr,  # programs per (batch, KV head), each attending GROUP / HEAD_SPLITS query heads
         HEAD_DIM: gl.constexpr,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -276,8 +272,7 @@ if common.HAS_GLUON:
             if RELEASE_AFTER_WAIT:
                 common.launch_dependents()
         # -- row metadata --
-        pid_bh = gl.program_id(0) // HEAD_SPLITS
-        head_split = gl.program_id(0) % HEAD_SPLITS
+        pid_bh = gl.program_id(0)
         split = gl.program_id(1)
         num_splits = gl.num_programs(1)
         batch = pid_bh // num_kv_heads
@@ -315,10 +310,9 @@ if common.HAS_GLUON:
                         q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, partial_out_ptr, partial_lse_ptr,
                         seq_lens_ptr, row_tickets_ptr, tile_tickets_ptr, k_tiles, v_tiles, ready, empty,
                         stride_q_b, stride_q_h, stride_k_b, stride_k_h, stride_v_b, stride_v_h,
-                        batch, kv_head, head_split, split, num_splits, seq_len, row_new, seq_len_before + row_new,
-                        lo, hi, num_tiles, row_base, col, row_stride, num_kv_heads, capacity, qk_scale,
-                        GROUP, HEAD_SPLITS, HEAD_DIM, BLOCK_M, BLOCK_N, USE_SPLIT_KV, MERGE_IN_LAUNCH, SPLITS_PAD,
-                        MERGE_ROWS,
+                        batch, kv_head, split, num_splits, seq_len, row_new, seq_len_before + row_new, lo, hi,
+                        num_tiles, row_base, col, row_stride, num_kv_heads, capacity, qk_scale,
+                        GROUP, HEAD_DIM, BLOCK_M, BLOCK_N, USE_SPLIT_KV, MERGE_IN_LAUNCH, SPLITS_PAD, MERGE_ROWS,
                         ADVANCE_SEQ_LENS, NUM_WARPS, WAIT_IN_PARTITIONS, RELEASE_AFTER_WAIT,
                     ),
                 ),
@@ -326,8 +320,7 @@ if common.HAS_GLUON:
                     _stream_kv_tiles,
                     (
                         k_desc, v_desc, k_tiles, v_tiles, ready, empty, seq_lens_ptr, row_tickets_ptr,
-                        batch, seq_len_before + row_new, row_base, col, lo, num_tiles,
-                        num_kv_heads * num_splits * HEAD_SPLITS,
+                        batch, seq_len_before + row_new, row_base, col, lo, num_tiles, num_kv_heads * num_splits,
                         ADVANCE_SEQ_LENS, BLOCK_N, WAIT_IN_PARTITIONS,
                     ),
                 ),
@@ -341,15 +334,12 @@ if common.HAS_GLUON:
 
 @functools.cache
 def _launch_plan(batch_kv_heads: int, capacity: int, group: int, head_dim: int, device: torch.device) -> tuple:
-    """Keys per tile, KV splits, their power-of-two padding, the merge's rows per step and the programs per
-    (batch, KV head) that share its query heads: per shape, computed once (host time). Query heads are shared out
-    only without KV splits, so a program's output is final (no split merges it)."""
-    head_splits = configs.gluon_decode_head_splits(batch_kv_heads, group, device)
-    num_splits = 1 if head_splits > 1 else configs.gluon_decode_kv_splits(batch_kv_heads, capacity, device)
+    """Keys per tile, KV splits, their power-of-two padding and the merge's rows per step: per shape, computed
+    once (host time)."""
+    num_splits = configs.gluon_decode_kv_splits(batch_kv_heads, capacity, device)
     block_n = configs.gluon_decode_block_n(head_dim, batch_kv_heads, num_splits, capacity, device)
     splits_pad = triton.next_power_of_2(num_splits)
-    merge_rows = configs.merge_rows(group, CONFIG.block_m, splits_pad, head_dim)
-    return block_n, num_splits, splits_pad, merge_rows, head_splits
+    return block_n, num_splits, splits_pad, configs.merge_rows(group, CONFIG.block_m, splits_pad, head_dim)
 
 
 # An eager call's bound launch (launch.BoundLaunch), per call shape and cache: the host time of an eager decode call
@@ -402,7 +392,7 @@ def _launch(
     batch, num_q_heads, _, head_dim = query.shape
     num_kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    block_n, num_splits, splits_pad, merge_rows, head_splits = _launch_plan(
+    block_n, num_splits, splits_pad, merge_rows = _launch_plan(
         batch * num_kv_heads, capacity, group, head_dim, query.device
     )
     row_tickets = scratch_buffer("row_tickets", batch, torch.int32, query.device)
@@ -419,7 +409,7 @@ def _launch(
     stride_q, stride_k, stride_v = query.stride(), key.stride(), value.stride()
     k_desc, grid = cached_tile_descriptor(k_cache, block_n)
     v_desc = cached_tile_descriptor(v_cache, block_n)[0]  # the same grid: supports() checked the strides
-    launch_grid = (batch * num_kv_heads * head_splits, num_splits, 1)
+    launch_grid = (batch * num_kv_heads, num_splits, 1)
     args = (
         query, key, value, k_cache, v_cache,
         k_desc, v_desc,
@@ -431,7 +421,6 @@ def _launch(
     )  # fmt: skip
     constexprs = dict(
         GROUP=group,
-        HEAD_SPLITS=head_splits,
         HEAD_DIM=head_dim,
         BLOCK_M=CONFIG.block_m,
         BLOCK_N=block_n,
