@@ -152,8 +152,9 @@ class AttentionPlan:
     The caller keys its plans by :func:`plan_key` of each call's query, key, value and options, so a call runs on a
     plan made for a call like it; it vouches for the cache tensors (alike across its layers: the same
     ``allocate_kv_cache`` sizes, dtype and device) and checks their capacity itself, as
-    :class:`~flashcore.integrations.cache.FlashCoreCache` does. Eager calls only: under CUDA-graph capture or while
-    ``torch.compile`` traces, call ``attention_with_kv_cache``, whose checks run once, at capture or trace time.
+    :class:`~flashcore.integrations.cache.FlashCoreCache` does. Eager calls and CUDA-graph capture (the plan reads
+    no data on the host; the kernels pick their captured variants at run time); while ``torch.compile`` traces, call
+    ``attention_with_kv_cache``, whose registered op is what it traces.
     """
 
     __slots__ = ("kernel", "scale")

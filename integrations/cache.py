@@ -211,8 +211,8 @@ class FlashCoreCache(Cache):
         self._logical_lengths: dict[torch.device, torch.Tensor] = {}
         # The logical length as the host knows it, which bounds every row's seq_lens (a forward adds at most S_q to
         # each): while it shows room, no forward needs a host read to check capacity. None once a step ran under
-        # capture or compilation, whose replays advance the rows without running Python: for good, unless the owner
-        # of the replays counts them (count_replayed_tokens), and then until the next reset().
+        # compilation, or under capture while no owner counts the replays (count_replayed_tokens), whose replays
+        # advance the rows without running Python: for good without an owner, else until the next reset().
         self._host_length: int | None = 0
         self._replays_counted = False
         # True from a patched decoder's pre-hook to its last layer (eager forwards): update() refuses to serve a
@@ -310,15 +310,17 @@ class FlashCoreCache(Cache):
             self._check_capacity(layer, num_new)
         backend = self.backend or backend
         cache = (layer.keys, layer.values, layer.seq_lens)
-        # The op's checks run once at capture or trace time; a layer unlike the keys (a caller that skipped update()'s
-        # checks) gets the op's refusal, before anything is written.
-        if is_capturing_or_tracing() or not layer.holds_keys_like(key):
+        # The op's checks run once at trace time; a layer unlike the keys (a caller that skipped update()'s checks)
+        # gets the op's refusal, before anything is written.
+        if torch.compiler.is_compiling() or not layer.holds_keys_like(key):
             out, _ = ops.attention_with_kv_cache(
                 query, key, value, cache, query_lens=query_lens, scale=scale, backend=backend, check=False
             )
         else:
             # Validated and dispatched once per kind of call rather than once per layer: this cache allocates all of
-            # a device's layers alike, and the plan's key covers the rest of what the op would check.
+            # a device's layers alike, and the plan's key covers the rest of what the op would check. Under CUDA-graph
+            # capture too (the plan reads no data on the host), so that a captured prefill writes its output
+            # token-major as an eager one does.
             plan_key = ops.plan_key(query, key, value, query_lens, scale, backend)
             plan = self._plans.get(plan_key)
             if plan is None:
@@ -397,9 +399,19 @@ class FlashCoreCache(Cache):
         if self._host_length is not None:
             self._host_length += num_tokens
 
+    def reserve_replayed_tokens(self, num_tokens: int) -> None:
+        """:meth:`count_replayed_tokens` for a replay that must not overflow a row (a captured prefill): refuses it
+        first, as an eager forward's first layer does (ValueError, nothing written), with a host read only where
+        the host's bound on the rows' lengths shows no room."""
+        self._replays_counted = True
+        self._check_capacity(self.layers[0], num_tokens)
+
     def _check_capacity(self, layer: FlashCoreLayer, num_new: int) -> None:
         if is_capturing_or_tracing():
-            self._host_length = None
+            # A capture appends nothing now, and its replays are counted where an owner counts them. A traced step
+            # also runs once, uncounted.
+            if torch.compiler.is_compiling() or not self._replays_counted:
+                self._host_length = None
             return
         if self._host_length is None or self._host_length + num_new > self.max_cache_len:
             layer.check_capacity(num_new)  # one host read; pads are never stored, so the rows may still have room

@@ -24,6 +24,7 @@ step replayed, 0.998 ms compiled, ``bench_generate`` at bb401a0; entry 84).
 from __future__ import annotations
 
 import gc
+from collections import OrderedDict
 
 import torch
 
@@ -47,6 +48,11 @@ MAX_DRAFT_BACKOFF = 64  # plain steps after drafts keep failing, at most, before
 # input-grounded answer fewer verify steps for the same accepted drafts (benchmarks/NOTES.md, entry 42).
 DEFAULT_MAX_NGRAM = 3
 DEFAULT_MIN_NGRAM = 2
+# Captured prefills: a prompt shape is captured the second time the session prefills it, and the session holds the
+# graphs of its MAX_PREFILL_GRAPHS most recent captured shapes (each holds its activations' memory: about 0.6 GB at
+# 16 x 512 tokens on the Llama-3.2-1B shape), remembering up to MAX_PREFILL_SHAPES_SEEN shapes prefilled once.
+MAX_PREFILL_GRAPHS = 2
+MAX_PREFILL_SHAPES_SEEN = 8
 _WARM = object()  # a step key whose eager warm-up ran: the next call captures it
 
 
@@ -67,6 +73,11 @@ class DecodeSession:
         layer_kernels: ``apply_flashcore_to_llama``'s option of that name, set on the model (in place): every
             RMSNorm, the RoPE and the SiLU-and-mul on flashcore's kernels, so that eager, replayed and compiled
             steps compute the same bits. None (default) keeps what the model has (off if it is not patched).
+        capture_prefill: replay a prefill of a prompt shape seen before from a CUDA graph (prompts without
+            ``attention_mask``): the second prefill of a ``[B, S]`` shape captures it, later ones replay it, with the
+            eager prefill's bits. It takes the host's Python out of the prefill (at 16 x 512 tokens on the H100 the GPU
+            waits on it for about 1.4 ms of 29; NOTES.md, entry 87), at the cost of a graph and its activations'
+            memory per shape kept (``MAX_PREFILL_GRAPHS``). Default: with ``use_cuda_graph``.
 
     Usage::
 
@@ -88,6 +99,7 @@ class DecodeSession:
         compile: bool = False,
         fuse_projections: bool | None = None,
         layer_kernels: bool | None = None,
+        capture_prefill: bool | None = None,
     ) -> None:
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
@@ -117,6 +129,12 @@ class DecodeSession:
             )
         if self.use_cuda_graph and device.type != "cuda":
             raise ValueError(f"use_cuda_graph=True needs the model on CUDA, it is on {device}")
+        if capture_prefill and not self.use_cuda_graph:
+            raise ValueError(
+                "capture_prefill=True needs CUDA graphs, but this session runs eager steps (use_cuda_graph is False: "
+                "the model is not on one CUDA device, or it was passed so); leave capture_prefill None"
+            )
+        self.capture_prefill = self.use_cuda_graph if capture_prefill is None else capture_prefill
         self.temperature = temperature
         self.cache = FlashCoreCache(
             model.config,
@@ -126,6 +144,10 @@ class DecodeSession:
             dtype=model.dtype,
             tp_size=model_tp_size(model),
         )
+        if self.use_cuda_graph:
+            # The session counts every replay's tokens from the start, so a capture keeps the cache's host-side
+            # bound on the rows' lengths: prefills then check capacity without a host read.
+            self.cache.count_replayed_tokens(0)
         # cos and sin of every position a step can reach (a verify step's drafts run past the last kept token), from
         # the model's rotary module once: each step gathers its rows (rotary_table.py). Under device_map the rotary
         # module's device may not be the positions'; it keeps HF's module.
@@ -155,6 +177,9 @@ class DecodeSession:
         # Captured steps by key ("decode", or a speculative step's kind and settings): _WARM after the eager warm-up
         # run, then (graph, outputs). See _run_step.
         self._graphs: dict[tuple, object] = {}
+        # Prefills by (B, S): their graphs and static inputs, least recently used first, and the shapes seen once.
+        self._prefill_graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self._prefill_shapes_seen: OrderedDict[tuple, None] = OrderedDict()
         # fullgraph: a graph break would put Python between kernels that the capture cannot replay. The default
         # mode, because the session captures the CUDA graph itself. The whole step, its bookkeeping too: inductor
         # fuses the position and text updates, ten small eager kernels otherwise (NOTES.md, entry 56).
@@ -175,8 +200,24 @@ class DecodeSession:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Runs the new tokens ``[B, S]`` (left-padded if ``attention_mask`` says so); returns the next ids [B].
 
-        May be called again later to append a turn; the cache keeps everything before it.
+        May be called again later to append a turn; the cache keeps everything before it. With
+        ``capture_prefill``, a prompt shape seen before replays a CUDA graph.
         """
+        if attention_mask is None and self.capture_prefill:
+            self._prefill_captured(input_ids)
+        else:
+            self._prefill_device_work(input_ids, attention_mask, drop_pending_token=self._token_pending)
+        self._token_pending = True
+        self._next_inputs_ready = False
+        self._drafts_for = None
+        return self.token
+
+    def _prefill_device_work(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *, drop_pending_token: bool
+    ) -> None:
+        """A prefill's forward and its device-side bookkeeping: the positions, the picked token and the text (what
+        a captured prefill replays). ``drop_pending_token``: take the last picked token off the text first, since
+        this turn feeds it (or drops it) itself."""
         batch, length = input_ids.shape
         if attention_mask is None:
             positions = self._position + torch.arange(length, device=input_ids.device)
@@ -199,14 +240,43 @@ class DecodeSession:
         self.token.copy_(self._select(logits))
         real = input_ids if attention_mask is None else _real_tokens_first(input_ids, attention_mask)
         counts = torch.full_like(self._history_len, length) if attention_mask is None else attention_mask.sum(dim=1)
-        if self._token_pending:
+        if drop_pending_token:
             self._history_len.sub_(1)
         self._append_history(real, counts)
         self._append_history(self.token[:, None], 1)  # after each row's own real tokens, not after the pads
-        self._token_pending = True
-        self._next_inputs_ready = False
-        self._drafts_for = None
-        return self.token
+
+    def _prefill_captured(self, input_ids: torch.Tensor) -> None:
+        """A prefill without a mask under ``capture_prefill``: eager the first time its shape comes (which also
+        compiles its kernels), captured the second, replayed from then on."""
+        key = tuple(input_ids.shape)
+        entry = self._prefill_graphs.get(key)
+        if entry is None and key not in self._prefill_shapes_seen:
+            self._prefill_shapes_seen[key] = None
+            if len(self._prefill_shapes_seen) > MAX_PREFILL_SHAPES_SEEN:
+                self._prefill_shapes_seen.popitem(last=False)
+            # kernels_as_captured compiles the kernels the capture will launch
+            with kernels_as_captured():
+                self._prefill_device_work(input_ids, None, drop_pending_token=self._token_pending)
+            return
+        # A replay runs no Python in the cache: the capacity check and the count of its tokens come first, and a
+        # prompt that would overflow a row is refused before anything is written.
+        self.cache.reserve_replayed_tokens(input_ids.shape[1])
+        if self._token_pending:
+            self._history_len.sub_(1)
+        if entry is None:
+            static_ids = input_ids.clone()
+            torch.cuda.synchronize()
+            gc.collect()  # see _run_graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._prefill_device_work(static_ids, None, drop_pending_token=False)
+            entry = self._prefill_graphs[key] = (graph, static_ids)
+            if len(self._prefill_graphs) > MAX_PREFILL_GRAPHS:
+                self._prefill_graphs.popitem(last=False)
+        self._prefill_graphs.move_to_end(key)
+        graph, static_ids = entry
+        static_ids.copy_(input_ids)
+        graph.replay()
 
     @torch.inference_mode()
     def decode_step(self) -> torch.Tensor:
@@ -281,9 +351,11 @@ class DecodeSession:
 
     @property
     def captured_steps(self) -> list[tuple]:
-        """The steps that replay a CUDA graph, by key: ``("decode",)``, and a speculative step's ``("verify", k,
-        max_ngram, min_ngram)`` and ``("plain", k, max_ngram, min_ngram)``."""
-        return [key for key, entry in self._graphs.items() if entry is not _WARM]
+        """The steps that replay a CUDA graph, by key: ``("decode",)``, a speculative step's ``("verify", k,
+        max_ngram, min_ngram)`` and ``("plain", k, max_ngram, min_ngram)``, and a prefill's ``("prefill", B, S)``
+        (least recently used first)."""
+        decode = [key for key, entry in self._graphs.items() if entry is not _WARM]
+        return decode + [("prefill", *shape) for shape in self._prefill_graphs]
 
     def _propose(self, num_draft: int, max_ngram: int, min_ngram: int) -> torch.Tensor:
         """Writes each row's next drafts into ``self._drafts``; returns which rows found one ``[B]``."""

@@ -98,6 +98,87 @@ def test_prefill_after_reset_reads_no_lengths_and_a_full_cache_still_refuses(dev
     assert reads == [2] and session.cache.get_kv_cache(0)[2].tolist() == [11, 11]
 
 
+def test_capture_prefill_needs_cuda_graphs(device, request):
+    model = tiny_llama("gqa", seed_of(request), device)
+    with pytest.raises(ValueError, match="capture_prefill=True needs CUDA graphs"):
+        DecodeSession(model, max_cache_len=16, use_cuda_graph=False, capture_prefill=True)
+    assert not DecodeSession(model, max_cache_len=16, use_cuda_graph=False).capture_prefill
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs: there are none on the CPU")
+@torch.inference_mode()
+def test_a_prefill_shape_seen_before_replays_a_graph_with_the_eager_bits(device, generator, request, monkeypatch):
+    """capture_prefill: a prompt shape's first prefill runs eagerly, its second captures it, later ones replay it.
+    Over three passes of a two-turn conversation (two shapes), the tokens, the text and the cache equal those of a
+    session that never captures; no prefill reads the lengths on the host (the session counts every replay's
+    tokens, so a capture keeps the cache's bound)."""
+    reads = []
+    check_capacity = FlashCoreLayer.check_capacity
+    monkeypatch.setattr(FlashCoreLayer, "check_capacity", lambda layer, n: reads.append(n) or check_capacity(layer, n))
+    model = tiny_llama("gqa", seed_of(request), device)
+    prompt, _ = random_prompts([9, 9], generator, device)
+    turn, _ = random_prompts([5, 5], generator, device)
+
+    def conversation(session):
+        session.reset()
+        tokens = [session.prefill(prompt).clone()] + [session.decode_step().clone() for _ in range(4)]
+        tokens.append(session.prefill(torch.cat([tokens[-1][:, None], turn], dim=1)).clone())
+        tokens += [session.decode_step().clone() for _ in range(3)]
+        lengths = session.cache.get_kv_cache(0)[2].tolist()
+        # The filled slots of every layer (the rest is garbage)
+        layers = (session.cache.get_kv_cache(i) for i in range(model.config.num_hidden_layers))
+        cache = [(keys[:, :, : lengths[0]].clone(), values[:, :, : lengths[0]].clone()) for keys, values, _ in layers]
+        return torch.stack(tokens, dim=1), [text.clone() for text in session.text()], cache, lengths
+
+    plain = DecodeSession(model, max_cache_len=24, batch_size=2, capture_prefill=False)
+    expected_tokens, expected_text, expected_cache, expected_lengths = conversation(plain)
+    session = DecodeSession(model, max_cache_len=24, batch_size=2)
+    assert session.capture_prefill
+    for passes in range(3):
+        tokens, text, cache, lengths = conversation(session)
+        assert torch.equal(tokens, expected_tokens), passes
+        assert all(torch.equal(a, b) for a, b in zip(text, expected_text, strict=True)), passes
+        assert lengths == expected_lengths == [9 + 4 + 6 + 3] * 2
+        assert all(
+            torch.equal(k, ek) and torch.equal(v, ev) for (k, v), (ek, ev) in zip(cache, expected_cache, strict=True)
+        )
+        captured = [key for key in session.captured_steps if key[0] == "prefill"]
+        assert captured == ([] if passes == 0 else [("prefill", 2, 9), ("prefill", 2, 6)])
+    assert reads == []
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs: there are none on the CPU")
+@torch.inference_mode()
+def test_a_replayed_prefill_that_would_overflow_is_refused_before_it_writes(device, generator, request):
+    model = tiny_llama("gqa", seed_of(request), device)
+    prompt, _ = random_prompts([8, 8], generator, device)
+    session = DecodeSession(model, max_cache_len=20, batch_size=2)
+    session.prefill(prompt)  # eager: the shape's first prefill
+    session.reset()
+    session.prefill(prompt)  # captured
+    session.prefill(prompt)  # replayed: 16 tokens a row
+    assert session.captured_steps == [("prefill", 2, 8)]
+    lengths, text = session.cache.get_kv_cache(0)[2].tolist(), [row.clone() for row in session.text()]
+    with pytest.raises(ValueError, match="max_cache_len=20"):
+        session.prefill(prompt)  # 16 + 8 > 20
+    assert all(session.cache.get_kv_cache(i)[2].tolist() == lengths for i in range(model.config.num_hidden_layers))
+    assert all(torch.equal(a, b) for a, b in zip(session.text(), text, strict=True))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs: there are none on the CPU")
+def test_the_session_keeps_its_latest_prefill_graphs(device, generator, request):
+    """At most MAX_PREFILL_GRAPHS (2) prefill shapes keep their graphs, the least recently used dropped first; a
+    dropped shape is captured again the next time it comes."""
+    model = tiny_llama("gqa", seed_of(request), device)
+    prompt, _ = random_prompts([7, 7], generator, device)
+    session = DecodeSession(model, max_cache_len=16, batch_size=2)
+    for length in (4, 5, 6, 4):
+        for _ in range(2):
+            session.reset()
+            session.prefill(prompt[:, :length])
+    assert session.captured_steps == [("prefill", 2, 6), ("prefill", 2, 4)]
+
+
 @pytest.mark.skipif(not ON_GPU, reason="compares CUDA-graph replay with eager calls: there are no graphs on the CPU")
 def test_graph_replayed_session_repeats_eager_generate_in_bf16(device, generator, request, kernels_run):
     """Issue 5's "tokens identical to eager flashcore": in bf16 a one-ulp difference between the kernels an eager

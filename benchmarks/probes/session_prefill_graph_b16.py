@@ -6,9 +6,10 @@ the session probes' (1246.9 µs, back-to-back replays after 31 warm-up steps, en
 through the prefill's first layer (2.8 ms, entry 84). This probe times both in one process, on one session
 (``fuse_projections``, ``layer_kernels``):
 
-- ``eager``: the generate as the bench runs it;
-- ``graph``: the same, but the prefill replayed from a CUDA graph captured here (``session.prefill`` of the same
-  ids after a reset, on static ids).
+- ``eager``: the generate as the bench ran it before 87's change, on a session with ``capture_prefill=False``;
+- ``graph``: the same on a second session, whose prefill replays a CUDA graph (``capture_prefill``, the default
+  since entry 87: the shape's second prefill captures it). At a264aa1, before ``capture_prefill``, this probe
+  captured ``session.prefill`` itself on one session.
 
 Each generate records CUDA events at its start, after the prefill and after the decode steps, and the host clock
 around it; the two variants alternate, ``--rounds`` times each, and after each round the session's steps are timed
@@ -49,28 +50,22 @@ def main() -> None:
     steps = args.new_tokens - 1
 
     with torch.inference_mode():
-        session = DecodeSession(
-            model, max_cache_len=max_cache_len, batch_size=16, fuse_projections=True, layer_kernels=True
-        )
-        static_ids = input_ids.clone()
-        graph = None
-
-        def prefill(kind: str) -> None:
-            if kind == "eager":
-                session.prefill(input_ids)
-                return
-            static_ids.copy_(input_ids)
-            graph.replay()
-            # What prefill() sets on the host, which the replay does not run.
-            session._token_pending, session._next_inputs_ready, session._drafts_for = True, False, None
+        sessions = {
+            kind: DecodeSession(
+                model, max_cache_len=max_cache_len, batch_size=16, fuse_projections=True, layer_kernels=True,
+                capture_prefill=kind == "graph",
+            )
+            for kind in ("eager", "graph")
+        }  # fmt: skip
 
         def generate(kind: str, num_steps: int) -> dict:
+            session = sessions[kind]
             events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             torch.cuda.synchronize()
             started = time.perf_counter()
             events[0].record()
             session.reset()
-            prefill(kind)
+            session.prefill(input_ids)
             events[1].record()
             for _ in range(num_steps):
                 session.decode_step()
@@ -85,12 +80,9 @@ def main() -> None:
                 "tokens": text[:, input_ids.shape[1] :].tolist(),
             }
 
-        generate("eager", steps)  # warm-up: the kernels, the decode step's capture
-        session.reset()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            session.prefill(static_ids)
+        for kind in ("eager", "graph", "graph"):  # warm-up: kernels, the decode step's capture, the prefill's
+            generate(kind, steps)
+        assert ("prefill", *input_ids.shape) in sessions["graph"].captured_steps
         reference = generate("eager", steps)["tokens"]
         runs = {"eager": [], "graph": [], "eager_prefill_only": [], "graph_prefill_only": []}
         replays = []
@@ -99,6 +91,7 @@ def main() -> None:
             for kind in order:
                 runs[kind].append(generate(kind, steps))
                 runs[f"{kind}_prefill_only"].append(generate(kind, 0))
+            session = sessions["eager"]
             session.reset()
             session.prefill(input_ids)
             for _ in range(31):
