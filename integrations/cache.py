@@ -320,8 +320,9 @@ class FlashCoreCache(Cache):
             # Validated and dispatched once per kind of call rather than once per layer: this cache allocates all of
             # a device's layers alike, and the plan's key covers the rest of what the op would check. Under CUDA-graph
             # capture too (the plan reads no data on the host), so that a captured prefill writes its output
-            # token-major as an eager one does.
-            plan_key = ops.plan_key(query, key, value, query_lens, scale, backend)
+            # token-major as an eager one does; a plan of its own there, since the kernels a capture may run are
+            # fewer (the torch backend's reads lengths on the host: not under capture).
+            plan_key = (ops.plan_key(query, key, value, query_lens, scale, backend), is_capturing_or_tracing())
             plan = self._plans.get(plan_key)
             if plan is None:
                 if len(self._plans) >= MAX_PLANS:  # a new prompt length makes a new kind of call
