@@ -8,7 +8,9 @@ from L2 by the later ones: up to that many bytes fewer from memory a step (about
 
 Variants (``DecodeSession`` with ``fuse_projections`` and ``layer_kernels``, timed as ``harness.session_steps``
 does): ``shipped``; ``lm_head_head`` and ``lm_head_tail``: the window over the first or the last
-``MAX_PERSISTING_L2_CACHE_SIZE`` bytes of the LM head's weight (the tied embedding), hit ratio 1. The window is set
+``MAX_PERSISTING_L2_CACHE_SIZE`` bytes of the LM head's weight (the tied embedding), hit ratio 1;
+``keep_graph_only``: the same capture path without a window or a set-aside; ``set_aside_only``: the set-aside
+without a window. The window is set
 on each kernel node of the captured graph (``CUDAGraph(keep_graph=True)``, then ``cuGraphKernelNodeSetAttribute``)
 before it is instantiated; the set-aside is reset between sessions.
 
@@ -29,7 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
-VARIANTS = {"shipped": (None,), "lm_head_head": ("head",), "lm_head_tail": ("tail",)}
+VARIANTS = {
+    "shipped": (None,),
+    "lm_head_head": ("head",),
+    "lm_head_tail": ("tail",),
+    "keep_graph_only": ("none",),  # the same capture, instantiated after the nodes are walked, no window, no set-aside
+    "set_aside_only": ("set_aside",),  # the set-aside, no window
+}
 CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
 CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE = 108
 CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE = 109
@@ -108,17 +116,24 @@ def timed_session(model, input_ids, where: str | None) -> dict:
     if where is None:
         set_persisting(0)
         return harness.session_steps(model, input_ids, fuse_projections=True, layer_kernels=True)
+    if where == "set_aside":
+        set_persisting(max_bytes)
+        try:
+            return harness.session_steps(model, input_ids, fuse_projections=True, layer_kernels=True)
+        finally:
+            set_persisting(0)
     weight = model.get_output_embeddings().weight
-    num_bytes = min(max_bytes, max_window)
-    base = weight.data_ptr() + (0 if where == "head" else weight.numel() * weight.element_size() - num_bytes)
-    set_persisting(max_bytes)
+    num_bytes = min(max_bytes, max_window) if where != "none" else 0
+    base = weight.data_ptr() + (0 if where != "tail" else weight.numel() * weight.element_size() - num_bytes)
+    set_persisting(max_bytes if where != "none" else 0)
     graph_class, graph_context = torch.cuda.CUDAGraph, torch.cuda.graph
 
     @contextlib.contextmanager
     def marked_capture(graph, *args, **kwargs):
         with graph_context(graph, *args, **kwargs):
             yield
-        REPORT[f"kernel_nodes_marked_{where}"] = mark_kernel_nodes(graph.raw_cuda_graph(), base, num_bytes)
+        if num_bytes:
+            REPORT[f"kernel_nodes_marked_{where}"] = mark_kernel_nodes(graph.raw_cuda_graph(), base, num_bytes)
         graph.instantiate()
 
     try:
