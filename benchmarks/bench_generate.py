@@ -16,7 +16,9 @@ together: their timed generates alternate (``--no-interleave-eager`` times them 
   ``integrations/compiled_step.py``, where HF's gives inductor's CUDA-graph trees);
 - ``flashcore_session``: flashcore's own loop, :class:`flashcore.integrations.decode_session.DecodeSession`,
   over the same patched model: prefill, then each token one CUDA-graph replay (greedy inside the graph); the
-  tokens are read once at the end (``DecodeSession.text()``), so no step waits on the host or copies its token;
+  tokens are read once at the end (``DecodeSession.text()``), so no step waits on the host or copies its token.
+  One session per (model, batch size), reset between generates: from the row's second generate on (the first timed
+  one) its prefill of the same prompt shape replays a CUDA graph too (``capture_prefill``, NOTES.md entry 87);
 - ``flashcore_session_compiled``: the same loop with ``DecodeSession(compile=True)``: the captured step is a
   ``torch.compile``d forward (inductor fuses the norms, RoPE and elementwise ops between the GEMMs);
 - ``flashcore_session_fused``: ``DecodeSession(compile=True, fuse_projections=True)``: also one GEMM for q/k/v
