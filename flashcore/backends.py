@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import sys
 
@@ -81,6 +82,24 @@ def kernels_as_captured():
         yield
     finally:
         _as_captured = outer
+
+
+@contextlib.contextmanager
+def cycle_collector_paused():
+    """Pauses Python's cycle collector through a CUDA-graph capture.
+
+    A dropped owner of CUDA graphs that is a reference cycle (a ``DecodeSession`` holds its own bound step method)
+    keeps its graphs until the collector runs. Run in the middle of another capture (an allocation can trigger it),
+    the graphs' teardown invalidates that capture ("operation not permitted when stream is capturing"). A full
+    collection before each capture prevents it too, at host time that grows with the process's objects; paused, the
+    collector frees them after the capture."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def picks_captured_kernels(device: torch.device) -> bool:

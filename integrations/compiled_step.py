@@ -22,12 +22,11 @@ new tensor after that (rather than copied into) needs ``apply_flashcore_to_llama
 
 from __future__ import annotations
 
-import gc
 import weakref
 
 import torch
 
-from flashcore.backends import kernels_as_captured
+from flashcore.backends import cycle_collector_paused, kernels_as_captured
 from flashcore.integrations.cache import FlashCoreCache
 
 # torch.compile modes that capture CUDA graphs, and the same mode without them.
@@ -99,10 +98,8 @@ class CompiledStep:
         replaced = iter(inputs)
         static_kwargs = {name: _with_tensors(value, replaced) for name, value in kwargs.items()}
         torch.cuda.synchronize()
-        # A graph dropped by a collection during the capture would invalidate it (DecodeSession does the same).
-        gc.collect()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with cycle_collector_paused(), torch.cuda.graph(graph):
             outputs = self._forward(**static_kwargs)
         return graph, inputs, outputs
 

@@ -23,12 +23,11 @@ step replayed, 0.998 ms compiled, ``bench_generate`` at bb401a0; entry 84).
 
 from __future__ import annotations
 
-import gc
 from collections import OrderedDict
 
 import torch
 
-from flashcore.backends import kernels_as_captured
+from flashcore.backends import cycle_collector_paused, kernels_as_captured
 from flashcore.integrations.cache import FlashCoreCache
 from flashcore.integrations.llama import (
     CACHE_ARGUMENT_NAME,
@@ -266,9 +265,8 @@ class DecodeSession:
         if entry is None:
             static_ids = input_ids.clone()
             torch.cuda.synchronize()
-            gc.collect()  # see _run_graph
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with cycle_collector_paused(), torch.cuda.graph(graph):
                 self._prefill_device_work(static_ids, None, drop_pending_token=False)
             entry = self._prefill_graphs[key] = (graph, static_ids)
             if len(self._prefill_graphs) > MAX_PREFILL_GRAPHS:
@@ -425,12 +423,10 @@ class DecodeSession:
                 return step()
         if entry is _WARM:
             torch.cuda.synchronize()
-            # A dropped session is a reference cycle (it holds its own bound step method) and keeps its graphs until
-            # the cycle collector runs. Collected during this capture, its graph's teardown would invalidate the capture
-            # (torch.cuda.graph no longer collects by default): collect it now.
-            gc.collect()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph), rotary_table_installed(self.model, rotary):
+            # No dropped session's graphs torn down in the middle of this capture (torch.cuda.graph no longer collects
+            # before it by default)
+            with cycle_collector_paused(), torch.cuda.graph(graph), rotary_table_installed(self.model, rotary):
                 outputs = step()
             self._graphs[key] = entry = (graph, outputs)
         graph, outputs = entry

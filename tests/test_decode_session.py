@@ -214,11 +214,12 @@ def test_graph_replayed_session_repeats_eager_generate_in_bf16(device, generator
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs: there are none on the CPU")
-def test_a_dropped_session_is_collected_before_the_next_capture(device, generator, request):
+def test_a_dropped_session_is_not_collected_during_the_next_capture(device, generator, request):
     """A dropped session lives on as a reference cycle that holds its CUDA graph. Freed by the cycle collector in
     the middle of another session's capture, it invalidated that capture (seen on the H100: "operation not
     permitted when stream is capturing"). With thresholds of 1 the collector runs at nearly every allocation, so
-    it would land inside the capture unless the session collects before it captures."""
+    it would land inside the capture unless the session pauses it there (backends.cycle_collector_paused); the
+    prefill's capture too."""
     model = tiny_llama("gqa", seed_of(request), device)
     input_ids, attention_mask = random_prompts([12, 9], generator, device)
 
@@ -226,19 +227,30 @@ def test_a_dropped_session_is_collected_before_the_next_capture(device, generato
         out = [session.prefill(input_ids, attention_mask).clone()]
         return torch.stack(out + [session.decode_step().clone() for _ in range(4)], dim=1)
 
+    def unmasked(session):  # a prompt shape's second prefill without a mask is captured
+        session.reset()
+        out = [session.prefill(input_ids).clone()]
+        return torch.stack(out + [session.decode_step().clone() for _ in range(4)], dim=1)
+
     first = DecodeSession(model, max_cache_len=32, batch_size=2)
     expected = tokens(first)
     assert first.captured_steps == [("decode",)]
+    expected_unmasked = unmasked(first)  # eager: the shape's first prefill
     del first
     thresholds = gc.get_threshold()
     gc.set_threshold(1, 1, 1)
     try:
         second = DecodeSession(model, max_cache_len=32, batch_size=2)
         got = tokens(second)
+        assert second.captured_steps == [("decode",)]
+        unmasked(second)
+        got_unmasked = unmasked(second)
+        assert second.captured_steps == [("decode",), ("prefill", 2, 12)]
     finally:
         gc.set_threshold(*thresholds)
-    assert second.captured_steps == [("decode",)]
+    assert gc.isenabled()
     assert torch.equal(got, expected)
+    assert torch.equal(got_unmasked, expected_unmasked)
 
 
 @pytest.mark.parametrize(

@@ -169,3 +169,25 @@ def test_kernels_as_captured_picks_the_capture_variants():
         assert picks_captured_kernels(cuda)  # a nested exit keeps the outer context
         assert not picks_captured_kernels(cpu) and merges_in_attention_launch(cpu)
     assert merges_in_attention_launch(cpu)
+
+
+def test_cycle_collector_paused_restores_what_it_found():
+    """A capture pauses Python's cycle collector (a dropped session's graphs torn down mid-capture invalidate it) and
+    leaves it as it was, after an error too."""
+    import gc
+
+    from flashcore.backends import cycle_collector_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with cycle_collector_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cycle_collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # a caller's own pause stays
+    finally:
+        gc.enable()
