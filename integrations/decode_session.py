@@ -7,7 +7,8 @@ it is captured once as a CUDA graph and every later token is one ``graph.replay(
 Gumbel-max sampling) happens inside the graph and feeds the next step directly: the only host sync per token is
 the caller reading the sampled ids, if it wants them. The step's cos and sin are rows of a table the model's rotary
 module computed once (``rotary_table.py``), and one launch ends it: the pick, every buffer's update and the next
-step's inputs, its token's embedding row and its cos and sin rows (``step_end.py``).
+step's inputs, its token's embedding row and its cos and sin rows (``step_end.py``). A prefill of a prompt shape the
+session has prefilled before replays a CUDA graph as well (``capture_prefill``).
 
 With ``compile=True`` the captured step is a ``torch.compile``d forward (inductor fuses the norms, RoPE and
 elementwise ops around the GEMMs; flashcore's op stays one opaque call in it). At batch 1 most of an eager step
@@ -48,8 +49,8 @@ MAX_DRAFT_BACKOFF = 64  # plain steps after drafts keep failing, at most, before
 DEFAULT_MAX_NGRAM = 3
 DEFAULT_MIN_NGRAM = 2
 # Captured prefills: a prompt shape is captured the second time the session prefills it, and the session holds the
-# graphs of its MAX_PREFILL_GRAPHS most recent captured shapes (each holds its activations' memory: about 0.6 GB at
-# 16 x 512 tokens on the Llama-3.2-1B shape), remembering up to MAX_PREFILL_SHAPES_SEEN shapes prefilled once.
+# graphs of its MAX_PREFILL_GRAPHS most recent captured shapes (each holds its activations' memory, which grows with
+# B x S), remembering up to MAX_PREFILL_SHAPES_SEEN shapes prefilled once.
 MAX_PREFILL_GRAPHS = 2
 MAX_PREFILL_SHAPES_SEEN = 8
 _WARM = object()  # a step key whose eager warm-up ran: the next call captures it
