@@ -390,12 +390,12 @@ class FlashCoreCache(Cache):
             self._host_length = 0
 
     def count_replayed_tokens(self, num_tokens: int) -> None:
-        """For the one owner of this cache's captured steps (a ``DecodeSession``): a replay is about to append at most
-        ``num_tokens`` to every row, with no Python in the cache. An owner that calls this before every replay keeps
-        the host's bound on the rows' lengths through them from each ``reset()`` on, so that a prefill after a reset
-        needs no host read to check capacity: the read makes the host wait for the GPU in the first layer (0.1-0.7 ms
-        of a 16 x 512-token prefill, inside the host clock's spread; NOTES.md, entry 84). Replays by anyone else must
-        not touch a cache whose owner counts."""
+        """For the one owner of this cache's captured steps (a ``DecodeSession``): a replay (or a compiled step already
+        traced) is about to append at most ``num_tokens`` to every row, with no Python in the cache. An owner that
+        calls this before every replay keeps the host's bound on the rows' lengths through them from each ``reset()``
+        on, so that a prefill after a reset needs no host read to check capacity: the read makes the host wait for the
+        GPU in the first layer (0.1-0.7 ms of a 16 x 512-token prefill, inside the host clock's spread; NOTES.md, entry
+        84). Replays by anyone else must not touch a cache whose owner counts."""
         self._replays_counted = True
         if self._host_length is not None:
             self._host_length += num_tokens

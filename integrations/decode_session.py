@@ -183,6 +183,7 @@ class DecodeSession:
         # fullgraph: a graph break would put Python between kernels that the capture cannot replay. The default
         # mode, because the session captures the CUDA graph itself. The whole step, its bookkeeping too: inductor
         # fuses the position and text updates, ten small eager kernels otherwise (NOTES.md, entry 56).
+        self._compiled = compile
         self._step = (
             torch.compile(self._step_eager, fullgraph=True, dynamic=False, options=_inductor_options(device))
             if compile
@@ -419,6 +420,10 @@ class DecodeSession:
                 return step()
         if entry is None:
             self._graphs[key] = _WARM
+            if self._compiled and key[0] != "verify":
+                # A compiled step already traced (a speculative plain step after the decode step's warm-up) runs no
+                # Python in the cache either; where it traces, the cache forgets its bound anyway.
+                self.cache.count_replayed_tokens(_tokens_appended(key))
             # kernels_as_captured compiles the kernels the capture will replay
             with kernels_as_captured(), rotary_table_installed(self.model, rotary):
                 return step()
@@ -431,8 +436,7 @@ class DecodeSession:
                 outputs = step()
             self._graphs[key] = entry = (graph, outputs)
         graph, outputs = entry
-        # A decode step appends one token a row, a verify step at most its drafts and the token before them.
-        self.cache.count_replayed_tokens(1 if key[0] != "verify" else key[1] + 1)
+        self.cache.count_replayed_tokens(_tokens_appended(key))
         graph.replay()
         return outputs
 
@@ -487,6 +491,12 @@ class DecodeSession:
         """The ids picked from ``logits``, on the session's device (under device_map the logits come from the
         last layer's)."""
         return chunked_argmax(self._scores(logits)).to(self.token.device)
+
+
+def _tokens_appended(key: tuple) -> int:
+    """The most tokens a row gains in a step of this key: one in a decode step (and a speculative plain one), the
+    drafts and the token before them in a verify step."""
+    return 1 if key[0] != "verify" else key[1] + 1
 
 
 def _next_inputs_buffers(model, rotary_table, batch_size: int, tp_size: int) -> tuple[torch.Tensor, ...] | None:
