@@ -1,12 +1,12 @@
-"""Issue 29: a B=16 session's generate as ``bench_generate`` times it, its prefill eager or replayed from a CUDA graph.
+"""Issue 29: a B=16 ``DecodeSession``'s generate as ``bench_generate`` times it, its prefill eager or from a graph.
 
 ``bench_generate``'s ``kernels_session`` row times whole generates on the host clock: a reset, the prefill of 16 x
 512 tokens, 255 replayed decode steps and one read of the text. Its decode step (1262.6 µs at 1568d69) is longer than
 the session probes' (1246.9 µs, back-to-back replays after 31 warm-up steps, entry 86), and the GPU waits on the host
-through the prefill's first layer (2.8 ms, entry 84). This probe times both in one process, on one session
-(``fuse_projections``, ``layer_kernels``):
+through the prefill's first layer (2.8 ms, entry 84). This probe times both in one process, on ``DecodeSession``s
+with ``fuse_projections`` and ``layer_kernels``:
 
-- ``eager``: the generate as the bench ran it before 87's change, on a session with ``capture_prefill=False``;
+- ``eager``: the generate as the bench ran it before entry 87's change, on a session with ``capture_prefill=False``;
 - ``graph``: the same on a second session, whose prefill replays a CUDA graph (``capture_prefill``, the default
   since entry 87: the shape's second prefill captures it). At a264aa1, before ``capture_prefill``, this probe
   captured ``session.prefill`` itself on one session.
