@@ -152,6 +152,7 @@ def _rows_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    PRELOAD: tl.constexpr,  # weight tiles loaded before the PDL wait: 1 or 2
     SWIGLU: tl.constexpr,
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -177,10 +178,14 @@ def _rows_gemm_kernel(
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x_m
     up_cols = up_ptr + offs_m.to(tl.int64)[None, :] * stride_up_m
 
-    # stage 1: the first weight tile, loaded while the kernel before may still run
+    # stage 1: the first PRELOAD weight tiles, loaded while the kernel before may still run
     cols = k_start + tl.arange(0, BLOCK_K)
     mask_k = cols < k_end
     w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    if PRELOAD == 2:
+        cols_next = cols + BLOCK_K
+        mask_k_next = cols_next < k_end
+        w_next = tl.load(weight_rows + cols_next[None, :], mask=mask_n[:, None] & mask_k_next[None, :], other=0.0)
     if USE_PDL:
         gdc_wait()  # x (and up, the residual) come from the kernels before
         gdc_launch_dependents()
@@ -189,9 +194,12 @@ def _rows_gemm_kernel(
         inv_rms = _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K)
     x = _input_tile(x_cols, up_cols, norm_weight_ptr, inv_rms, cols, mask_k, mask_m, SWIGLU, NORM)
     acc = tl.dot(w, x, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), input_precision=INPUT_PRECISION)
+    if PRELOAD == 2:
+        x = _input_tile(x_cols, up_cols, norm_weight_ptr, inv_rms, cols_next, mask_k_next, mask_m, SWIGLU, NORM)
+        acc = tl.dot(w_next, x, acc, input_precision=INPUT_PRECISION)
 
     # stage 2: the rest of this program's slice of K
-    for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
+    for start in range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         mask_k = cols < k_end
         w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
@@ -253,9 +261,9 @@ def rows_gemm_config(n: int, k: int, device: torch.device, norm: bool = False, e
         tiles = steps // split_k
         widest = 8 if element_size <= 2 else 4
         block_k *= next(t for t in (8, 4, 2, 1) if t <= widest and tiles % t == 0)  # whole tiles, a power of two
-        return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=8 if block_k >= 1024 else 4)
+        return dict(block_n=block_n, block_k=block_k, split_k=split_k, preload=1, num_warps=8 if block_k >= 1024 else 4)
     split_k = next((s for s in splits if blocks * s >= num_sms(device)), splits[-1])
-    return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4)
+    return dict(block_n=block_n, block_k=block_k, split_k=split_k, preload=1, num_warps=4)
 
 
 def rows_gemm_triton(
@@ -301,7 +309,7 @@ def rows_gemm_triton(
             weight.stride(0), cos.stride(0) if cos is not None else 0, k_per_split, float(eps), rotated,
         ),
         dict(
-            BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SWIGLU=up is not None,
+            BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, PRELOAD=config["preload"], SWIGLU=up is not None,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
             ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, EXACT_ROTARY=x.is_cuda,
             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None, USE_PDL=use_pdl,
