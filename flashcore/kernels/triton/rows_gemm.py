@@ -62,13 +62,13 @@ def _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K: tl.constexpr, NORM_TILES:
     if NORM_TILES > 0:
         for tile in tl.static_range(1, NORM_TILES):
             cols = tile * BLOCK_K + offs_k
-            x = tl.load(x_cols + cols[:, None], mask=(cols < k)[:, None] & mask_m[None, :], other=0.0)
-            squares += x.to(tl.float32) * x.to(tl.float32)
+            x = tl.load(x_cols + cols[:, None], mask=(cols < k)[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
+            squares += x * x
     else:
         for start in range(BLOCK_K, k, BLOCK_K):
             cols = start + offs_k
-            x = tl.load(x_cols + cols[:, None], mask=(cols < k)[:, None] & mask_m[None, :], other=0.0)
-            squares += x.to(tl.float32) * x.to(tl.float32)
+            x = tl.load(x_cols + cols[:, None], mask=(cols < k)[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
+            squares += x * x
     return tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
 
 
@@ -130,9 +130,12 @@ def _store_output(
         total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     out = total.to(out_ptr.dtype.element_ty)
     if rotates:
-        if not EARLY_ROTARY:
-            rotary = _rotary_operands(cos_ptr, sin_ptr, offs_m, mask_m, stride_cos_m, BLOCK_N, HALF)
-        cos_lo, cos_hi, sin_lo, sin_hi = rotary
+        if EARLY_ROTARY:
+            cos_lo, cos_hi, sin_lo, sin_hi = rotary
+        else:
+            cos_lo, cos_hi, sin_lo, sin_hi = _rotary_operands(
+                cos_ptr, sin_ptr, offs_m, mask_m, stride_cos_m, BLOCK_N, HALF
+            )
         out = _rotate_tile(out, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_N, EXACT_ROTARY)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + offs_m[None, :] * stride_residual_m + offs_n[:, None], mask=mask, other=0.0)
