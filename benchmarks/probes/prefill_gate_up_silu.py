@@ -10,7 +10,9 @@ shape:
 - ``cublas``: the GEMM alone (``torch.mm``);
 - ``cublas_then_silu``: the GEMM and the SiLU-and-mul launch (what the prefill runs);
 - ``triton_<config>``: a Triton GEMM whose programs compute a tile of both halves (gate rows ``j`` and up rows
-  ``I + j`` of the fused weight) and write ``silu_and_mul(gate, up)`` with the layer kernels' roundings.
+  ``I + j`` of the fused weight) and write ``silu_and_mul(gate, up)`` with the layer kernels' roundings; on
+  pointers (the first run, bcf61f5, also had 64-wide tiles, 4 warps and 32-wide K steps: all slower), or on TMA
+  descriptors (``tma_``), in a persistent grid (``persistent``) with Triton's warp specialization (``ws``).
 
 For each Triton variant: µs, TFLOP/s (the GEMM's 2 M N K), and the largest difference from ``cublas_then_silu``'s
 output in ulps of its largest value (the sums run in another order).
@@ -64,13 +66,62 @@ def _gate_up_silu_kernel(
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_out + offs_n[None, :], out)
 
 
+@triton.jit
+def _gate_up_silu_tma_kernel(
+    x_desc, w_desc, out_desc, m, intermediate, k,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """The same tiles on TMA descriptors, a persistent grid of ``NUM_PROGRAMS`` walking the tiles in steps of it."""
+    blocks_m, blocks_n = tl.cdiv(m, BLOCK_M), tl.cdiv(intermediate, BLOCK_N)
+    tiles = blocks_m * blocks_n
+    for tile in tl.range(tl.program_id(0), tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+        group = tile // (GROUP_M * blocks_n)
+        first_m = group * GROUP_M
+        group_size = tl.minimum(blocks_m - first_m, GROUP_M)
+        block_m = first_m + (tile % (GROUP_M * blocks_n)) % group_size
+        block_n = (tile % (GROUP_M * blocks_n)) // group_size
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for start in tl.range(0, k, BLOCK_K, num_stages=STAGES):
+            a = x_desc.load([block_m * BLOCK_M, start])
+            acc_g = tl.dot(a, w_desc.load([block_n * BLOCK_N, start]).T, acc_g)
+            acc_u = tl.dot(a, w_desc.load([intermediate + block_n * BLOCK_N, start]).T, acc_u)
+        out = silu_and_mul(acc_g.to(out_desc.dtype), acc_u.to(out_desc.dtype))
+        out_desc.store([block_m * BLOCK_M, block_n * BLOCK_N], out)
+
+
+TMA_CONFIGS = {  # name: BLOCK_M, BLOCK_N (each half), BLOCK_K, GROUP_M, num_warps, stages, persistent, warp_specialize
+    "tma_m128_n128_k64_w8_s3": (128, 128, 64, 8, 8, 3, False, False),
+    "tma_m128_n128_k64_w8_s4": (128, 128, 64, 8, 8, 4, False, False),
+    "tma_persistent_m128_n128_k64_w8_s3": (128, 128, 64, 8, 8, 3, True, False),
+    "tma_persistent_ws_m128_n128_k64_w8_s3": (128, 128, 64, 8, 8, 3, True, True),
+    "tma_persistent_ws_m128_n128_k64_w4_s3": (128, 128, 64, 8, 4, 3, True, True),
+    "tma_persistent_ws_m128_n64_k64_w4_s4": (128, 64, 64, 8, 4, 4, True, True),
+}
+
+
+def gate_up_silu_tma(x, weight, config):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    block_m, block_n, block_k, group_m, warps, stages, persistent, warp_specialize = config
+    m, k = x.shape
+    intermediate = weight.shape[0] // 2
+    out = torch.empty(m, intermediate, dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(intermediate, block_n)
+    programs = min(tiles, torch.cuda.get_device_properties(x.device).multi_processor_count) if persistent else tiles
+    _gate_up_silu_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x, [block_m, block_k]), TensorDescriptor.from_tensor(weight, [block_n, block_k]),
+        TensorDescriptor.from_tensor(out, [block_m, block_n]), m, intermediate, k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, NUM_PROGRAMS=programs,
+        WARP_SPECIALIZE=warp_specialize, STAGES=stages, num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
 CONFIGS = {  # name: BLOCK_M, BLOCK_N (each half), BLOCK_K, GROUP_M, num_warps, num_stages
     "m128_n128_k64_w8_s3": (128, 128, 64, 8, 8, 3),
     "m128_n128_k64_w8_s4": (128, 128, 64, 8, 8, 4),
-    "m128_n64_k64_w4_s4": (128, 64, 64, 8, 4, 4),
-    "m128_n64_k64_w8_s5": (128, 64, 64, 8, 8, 5),
-    "m64_n128_k64_w4_s4": (64, 128, 64, 8, 4, 4),
-    "m128_n128_k32_w8_s5": (128, 128, 32, 8, 8, 5),
 }
 
 
@@ -110,10 +161,12 @@ def main() -> None:
         {"variant": "cublas", "us": 1e3 * triton.testing.do_bench(lambda: torch.mm(x, weight.T), rep=200)},
         {"variant": "cublas_then_silu", "us": 1e3 * triton.testing.do_bench(cublas_then_silu, rep=200)},
     ]
-    for name, config in CONFIGS.items():
+    variants = [(name, gate_up_silu, config) for name, config in CONFIGS.items()]
+    variants += [(name, gate_up_silu_tma, config) for name, config in TMA_CONFIGS.items()]
+    for name, run, config in variants:
         try:
-            out = gate_up_silu(x, weight, config)
-            us = 1e3 * triton.testing.do_bench(lambda config=config: gate_up_silu(x, weight, config), rep=200)
+            out = run(x, weight, config)
+            us = 1e3 * triton.testing.do_bench(lambda run=run, config=config: run(x, weight, config), rep=200)
             rows.append(
                 {"variant": f"triton_{name}", "us": us, "max_diff_ulps": float((out - reference).abs().max()) / ulp}
             )
