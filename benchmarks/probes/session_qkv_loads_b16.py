@@ -17,6 +17,9 @@ and captured:
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``shipped``'s (the
 variants compute the same bits: they should not part).
 
+It runs at ddd5d89 only: ``rows_gemm_config``'s ``early_rotary`` and ``unrolled_norm``, which the variants set, were
+taken out of the kernel after this probe (entry 88).
+
     python benchmarks/probes/session_qkv_loads_b16.py --out session_qkv_loads_b16.json --max-cache-len 768
 """
 

@@ -52,23 +52,15 @@ BLOCK_N = 64  # weight rows per program; the outputs it rotates come in whole pr
 
 
 @triton.jit
-def _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K: tl.constexpr, NORM_TILES: tl.constexpr):
-    """``rsqrt(mean(x^2) + eps)`` in fp32 of each of the rows (``[BLOCK_M]``), summed in ``BLOCK_K`` steps of K.
-    With ``NORM_TILES`` (K's tile count, > 0) the steps are unrolled, so that their loads are all in flight at once;
-    the sums are the same."""
+def _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K: tl.constexpr):
+    """``rsqrt(mean(x^2) + eps)`` in fp32 of each of the rows (``[BLOCK_M]``), summed in ``BLOCK_K`` steps of K."""
     offs_k = tl.arange(0, BLOCK_K)
     x = tl.load(x_cols + offs_k[:, None], mask=(offs_k < k)[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
     squares = x * x
-    if NORM_TILES > 0:
-        for tile in tl.static_range(1, NORM_TILES):
-            cols = tile * BLOCK_K + offs_k
-            x = tl.load(x_cols + cols[:, None], mask=(cols < k)[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
-            squares += x * x
-    else:
-        for start in range(BLOCK_K, k, BLOCK_K):
-            cols = start + offs_k
-            x = tl.load(x_cols + cols[:, None], mask=(cols < k)[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
-            squares += x * x
+    for start in range(BLOCK_K, k, BLOCK_K):
+        cols = start + offs_k
+        x = tl.load(x_cols + cols[:, None], mask=(cols < k)[:, None] & mask_m[None, :], other=0.0).to(tl.float32)
+        squares += x * x
     return tl.rsqrt(tl.sum(squares, axis=0) / k + eps)
 
 
@@ -89,10 +81,15 @@ def _input_tile(
 
 
 @triton.jit
-def _rotary_operands(cos_ptr, sin_ptr, offs_m, mask_m, stride_cos_m, BLOCK_N: tl.constexpr, HALF: tl.constexpr):
-    """``(cos_lo, cos_hi, sin_lo, sin_hi)`` in fp32, ``[BLOCK_N / 2, BLOCK_M]``: each row's cos and sin at the dims
-    of the pairs this program owns (``gemv.rotary_rows``), both halves."""
+def _rotate_tile(
+    out, cos_ptr, sin_ptr, offs_m, mask_m, stride_cos_m, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+    EXACT: tl.constexpr,
+):  # fmt: skip
+    """``out`` (rounded, ``[BLOCK_N, BLOCK_M]``, its weight rows in ``gemv.rotary_rows``' order: the first halves'
+    rows of ``BLOCK_N / 2`` pairs, then their partners) rotated with ``layer_kernels.rotate_halves`` by each row's
+    cos and sin, as the RoPE kernel rotates it."""
     PAIRS: tl.constexpr = BLOCK_N // 2
+    BLOCK_M: tl.constexpr = out.shape[1]
     dims = (tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)) % HALF
     cos_rows = cos_ptr + offs_m[None, :] * stride_cos_m + dims[:, None]
     sin_rows = sin_ptr + offs_m[None, :] * stride_cos_m + dims[:, None]
@@ -101,16 +98,6 @@ def _rotary_operands(cos_ptr, sin_ptr, offs_m, mask_m, stride_cos_m, BLOCK_N: tl
     cos_hi = tl.load(cos_rows + HALF, mask=mask, other=0.0).to(tl.float32)
     sin_lo = tl.load(sin_rows, mask=mask, other=0.0).to(tl.float32)
     sin_hi = tl.load(sin_rows + HALF, mask=mask, other=0.0).to(tl.float32)
-    return cos_lo, cos_hi, sin_lo, sin_hi
-
-
-@triton.jit
-def _rotate_tile(out, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_N: tl.constexpr, EXACT: tl.constexpr):
-    """``out`` (rounded, ``[BLOCK_N, BLOCK_M]``, its weight rows in ``gemv.rotary_rows``' order: the first halves'
-    rows of ``BLOCK_N / 2`` pairs, then their partners) rotated with ``layer_kernels.rotate_halves`` by each row's
-    cos and sin (:func:`_rotary_operands`), as the RoPE kernel rotates it."""
-    PAIRS: tl.constexpr = BLOCK_N // 2
-    BLOCK_M: tl.constexpr = out.shape[1]
     lo, hi = tl.split(tl.permute(tl.reshape(out, (2, PAIRS, BLOCK_M)), (1, 2, 0)))
     out_lo, out_hi = rotate_halves(lo, hi, cos_lo, cos_hi, sin_lo, sin_hi, EXACT)
     return tl.reshape(tl.permute(tl.join(out_lo, out_hi), (2, 0, 1)), (BLOCK_N, BLOCK_M))
@@ -119,24 +106,18 @@ def _rotate_tile(out, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_N: tl.constexpr, EXA
 @triton.jit
 def _store_output(
     total, bias_ptr, residual_ptr, cos_ptr, sin_ptr, out_ptr, offs_n, offs_m, mask_n, mask_m, n, stride_residual_m,
-    stride_cos_m, rotates, rotary, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HALF: tl.constexpr,
-    EXACT_ROTARY: tl.constexpr, EARLY_ROTARY: tl.constexpr,
+    stride_cos_m, rotates, HAS_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HALF: tl.constexpr,
+    EXACT_ROTARY: tl.constexpr,
 ):  # fmt: skip
-    """``total`` (fp32, ``[BLOCK_N, BLOCK_M]``, out.T's tile) plus the bias, rounded; rotated where ``rotates``
-    (by ``rotary``, the rows' cos and sin, where ``EARLY_ROTARY`` loaded them before); plus the residual, rounded."""
+    """``total`` (fp32, ``[BLOCK_N, BLOCK_M]``, out.T's tile) plus the bias, rounded; rotated where ``rotates``;
+    plus the residual, rounded."""
     BLOCK_N: tl.constexpr = total.shape[0]
     mask = mask_n[:, None] & mask_m[None, :]
     if HAS_BIAS:
         total += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     out = total.to(out_ptr.dtype.element_ty)
     if rotates:
-        if EARLY_ROTARY:
-            cos_lo, cos_hi, sin_lo, sin_hi = rotary
-        else:
-            cos_lo, cos_hi, sin_lo, sin_hi = _rotary_operands(
-                cos_ptr, sin_ptr, offs_m, mask_m, stride_cos_m, BLOCK_N, HALF
-            )
-        out = _rotate_tile(out, cos_lo, cos_hi, sin_lo, sin_hi, BLOCK_N, EXACT_ROTARY)
+        out = _rotate_tile(out, cos_ptr, sin_ptr, offs_m, mask_m, stride_cos_m, BLOCK_N, HALF, EXACT_ROTARY)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + offs_m[None, :] * stride_residual_m + offs_n[:, None], mask=mask, other=0.0)
         out = (out.to(tl.float32) + residual.to(tl.float32)).to(out_ptr.dtype.element_ty)
@@ -171,7 +152,6 @@ def _rows_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    PRELOAD: tl.constexpr,  # weight tiles loaded before the PDL wait: 1 or 2
     SWIGLU: tl.constexpr,
     NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -179,8 +159,6 @@ def _rows_gemm_kernel(
     ROTARY: tl.constexpr,
     HALF: tl.constexpr,  # D / 2; used only when ROTARY
     EXACT_ROTARY: tl.constexpr,  # layer_kernels.rotate_halves' EXACT
-    EARLY_ROTARY: tl.constexpr,  # the rows' cos and sin loaded right after the PDL wait, before the products
-    NORM_TILES: tl.constexpr,  # > 0: the norm's sums over K's NORM_TILES tiles unrolled; 0: a loop
     INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs; None: tl.dot's default (fp16, bf16)
     USE_PDL: tl.constexpr,
 ):
@@ -199,31 +177,21 @@ def _rows_gemm_kernel(
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_x_m
     up_cols = up_ptr + offs_m.to(tl.int64)[None, :] * stride_up_m
 
-    # stage 1: the first PRELOAD weight tiles, loaded while the kernel before may still run
+    # stage 1: the first weight tile, loaded while the kernel before may still run
     cols = k_start + tl.arange(0, BLOCK_K)
     mask_k = cols < k_end
     w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-    if PRELOAD == 2:
-        cols_next = cols + BLOCK_K
-        mask_k_next = cols_next < k_end
-        w_next = tl.load(weight_rows + cols_next[None, :], mask=mask_n[:, None] & mask_k_next[None, :], other=0.0)
     if USE_PDL:
         gdc_wait()  # x (and up, the residual) come from the kernels before
         gdc_launch_dependents()
-    rotary = (0.0, 0.0, 0.0, 0.0)
-    if ROTARY and EARLY_ROTARY:
-        rotary = _rotary_operands(cos_ptr, sin_ptr, offs_m, mask_m, stride_cos_m, BLOCK_N, HALF)
     inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
     if NORM:
-        inv_rms = _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K, NORM_TILES)
+        inv_rms = _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K)
     x = _input_tile(x_cols, up_cols, norm_weight_ptr, inv_rms, cols, mask_k, mask_m, SWIGLU, NORM)
     acc = tl.dot(w, x, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), input_precision=INPUT_PRECISION)
-    if PRELOAD == 2:
-        x = _input_tile(x_cols, up_cols, norm_weight_ptr, inv_rms, cols_next, mask_k_next, mask_m, SWIGLU, NORM)
-        acc = tl.dot(w_next, x, acc, input_precision=INPUT_PRECISION)
 
     # stage 2: the rest of this program's slice of K
-    for start in range(k_start + PRELOAD * BLOCK_K, k_end, BLOCK_K):
+    for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         mask_k = cols < k_end
         w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
@@ -234,8 +202,7 @@ def _rows_gemm_kernel(
     if SPLIT_K == 1:
         _store_output(
             acc, bias_ptr, residual_ptr, cos_ptr, sin_ptr, out_ptr, offs_n, offs_m, mask_n, mask_m, n,
-            stride_residual_m, stride_cos_m, rotates, rotary, HAS_BIAS, HAS_RESIDUAL, HALF, EXACT_ROTARY,
-            EARLY_ROTARY,
+            stride_residual_m, stride_cos_m, rotates, HAS_BIAS, HAS_RESIDUAL, HALF, EXACT_ROTARY,
         )  # fmt: skip
     else:
         partial_tile = offs_m[None, :] * n + offs_n[:, None]  # out.T's tile in one split's [BLOCK_M, N] partial
@@ -251,8 +218,7 @@ def _rows_gemm_kernel(
                 )
             _store_output(
                 total, bias_ptr, residual_ptr, cos_ptr, sin_ptr, out_ptr, offs_n, offs_m, mask_n, mask_m, n,
-                stride_residual_m, stride_cos_m, rotates, rotary, HAS_BIAS, HAS_RESIDUAL, HALF, EXACT_ROTARY,
-                EARLY_ROTARY,
+                stride_residual_m, stride_cos_m, rotates, HAS_BIAS, HAS_RESIDUAL, HALF, EXACT_ROTARY,
             )  # fmt: skip
             tl.atomic_xchg(tickets_ptr + block, 0)
 
@@ -287,25 +253,9 @@ def rows_gemm_config(n: int, k: int, device: torch.device, norm: bool = False, e
         tiles = steps // split_k
         widest = 8 if element_size <= 2 else 4
         block_k *= next(t for t in (8, 4, 2, 1) if t <= widest and tiles % t == 0)  # whole tiles, a power of two
-        return dict(
-            block_n=block_n,
-            block_k=block_k,
-            split_k=split_k,
-            preload=1,
-            early_rotary=False,
-            unrolled_norm=False,
-            num_warps=8 if block_k >= 1024 else 4,
-        )
+        return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=8 if block_k >= 1024 else 4)
     split_k = next((s for s in splits if blocks * s >= num_sms(device)), splits[-1])
-    return dict(
-        block_n=block_n,
-        block_k=block_k,
-        split_k=split_k,
-        preload=1,
-        early_rotary=False,
-        unrolled_norm=False,
-        num_warps=4,
-    )
+    return dict(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4)
 
 
 def rows_gemm_triton(
@@ -351,11 +301,9 @@ def rows_gemm_triton(
             weight.stride(0), cos.stride(0) if cos is not None else 0, k_per_split, float(eps), rotated,
         ),
         dict(
-            BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, PRELOAD=config["preload"],
-            SWIGLU=up is not None, NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None,
+            BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SWIGLU=up is not None,
+            NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
             ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, EXACT_ROTARY=x.is_cuda,
-            EARLY_ROTARY=config["early_rotary"], NORM_TILES=triton.cdiv(k, block_k) if config["unrolled_norm"] else 0,
             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None, USE_PDL=use_pdl,
         ),
         num_warps=config["num_warps"],
