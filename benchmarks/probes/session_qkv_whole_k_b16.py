@@ -19,7 +19,7 @@ shape while the session is built and captured:
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``shipped``'s (another
 summation order: they may part at a near-tie).
 
-It runs at 7d8f31a only: ``rows_gemm_config``'s ``preload``, which the variants set, were taken out of the kernel
+It runs at 7d8f31a only: ``rows_gemm_config``'s ``preload``, which the variants set, was taken out of the kernel
 after this probe (entry 88).
 
     python benchmarks/probes/session_qkv_whole_k_b16.py --out session_qkv_whole_k_b16.json --max-cache-len 768
