@@ -102,6 +102,17 @@ def cycle_collector_paused():
             gc.enable()
 
 
+@contextlib.contextmanager
+def captured_graph(pool=None):
+    """Captures the block's CUDA work into the graph it yields (``torch.cuda.graph``, with the memory ``pool`` if
+    given): the device drained first, and the cycle collector paused through it (:func:`cycle_collector_paused`).
+    The one way flashcore captures: a session's step and prefill, a compiled step, the engine's batch buckets."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with cycle_collector_paused(), torch.cuda.graph(graph, pool=pool):
+        yield graph
+
+
 def picks_captured_kernels(device: torch.device) -> bool:
     """Whether a launch on ``device`` takes its CUDA-graph variant: while a graph is captured, or in
     :func:`kernels_as_captured`."""

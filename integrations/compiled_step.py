@@ -26,7 +26,7 @@ import weakref
 
 import torch
 
-from flashcore.backends import cycle_collector_paused, kernels_as_captured
+from flashcore.backends import captured_graph, kernels_as_captured
 from flashcore.integrations.cache import FlashCoreCache
 
 # torch.compile modes that capture CUDA graphs, and the same mode without them.
@@ -97,9 +97,7 @@ class CompiledStep:
         inputs = [tensor.clone() for tensor in tensors]
         replaced = iter(inputs)
         static_kwargs = {name: _with_tensors(value, replaced) for name, value in kwargs.items()}
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with cycle_collector_paused(), torch.cuda.graph(graph):
+        with captured_graph() as graph:
             outputs = self._forward(**static_kwargs)
         return graph, inputs, outputs
 

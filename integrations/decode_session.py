@@ -28,7 +28,7 @@ from collections import OrderedDict
 
 import torch
 
-from flashcore.backends import cycle_collector_paused, kernels_as_captured
+from flashcore.backends import captured_graph, kernels_as_captured
 from flashcore.integrations.cache import FlashCoreCache
 from flashcore.integrations.llama import (
     CACHE_ARGUMENT_NAME,
@@ -266,9 +266,7 @@ class DecodeSession:
             self._history_len.sub_(1)
         if entry is None:
             static_ids = input_ids.clone()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with cycle_collector_paused(), torch.cuda.graph(graph):
+            with captured_graph() as graph:
                 self._prefill_device_work(static_ids, None, drop_pending_token=False)
             entry = self._prefill_graphs[key] = (graph, static_ids)
             if len(self._prefill_graphs) > MAX_PREFILL_GRAPHS:
@@ -428,11 +426,7 @@ class DecodeSession:
             with kernels_as_captured(), rotary_table_installed(self.model, rotary):
                 return step()
         if entry is _WARM:
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            # No dropped session's graphs torn down in the middle of this capture (torch.cuda.graph no longer collects
-            # before it by default)
-            with cycle_collector_paused(), torch.cuda.graph(graph), rotary_table_installed(self.model, rotary):
+            with captured_graph() as graph, rotary_table_installed(self.model, rotary):
                 outputs = step()
             self._graphs[key] = entry = (graph, outputs)
         graph, outputs = entry

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashcore.backends import kernels_as_captured
+from flashcore.backends import captured_graph, kernels_as_captured
 from flashcore.engine.cache import EngineCache, StepLayout
 from flashcore.engine.sampling import select_tokens, to_device
 from flashcore.engine.scheduler import Feed, Request, Row
@@ -213,9 +213,7 @@ class DecodeBuffers:
         step = (self.tokens[:bucket], self.positions[:bucket], layout, 1)
         with kernels_as_captured():  # warm-up: compiles what the capture replays; query_lens 0 writes nothing
             self.runner.run_model(*step)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with captured_graph(pool=self.pool) as graph:
             logits = self.runner.run_model(*step)[:, -1]
         self.query_lens.copy_(saved)
         return graph, logits
