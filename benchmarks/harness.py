@@ -19,6 +19,7 @@ The benchmark scripts import this file as a sibling module (``python benchmarks/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -421,6 +422,28 @@ def session_steps(model, input_ids: torch.Tensor, **options) -> dict:
     tokens = session.text()[0][-32:].tolist()  # row 0's: the prefill's token and the 31 steps'
     timings = [1e3 * ms for ms in ms_per_call_repeated(session.decode_step, replays, 5)]
     return {"us_per_step": statistics.median(timings), "tokens": tokens}
+
+
+@contextlib.contextmanager
+def rows_gemm_config_replaced(shape: tuple[int, int] | None, overrides: dict, norm_only: bool = False):
+    """While it runs, ``rows_gemm.rows_gemm_config`` answers for the weight shape ``shape`` (``(n, k)``; with
+    ``norm_only``, only where the norm is folded in) its own configuration updated with ``overrides``: how the
+    session probes try other tiles of the few-row GEMM while a session is built and captured. ``shape`` None
+    replaces nothing."""
+    from flashcore.kernels.triton import rows_gemm
+
+    config = rows_gemm.rows_gemm_config
+
+    def replaced(n: int, k: int, device, norm: bool = False, element_size: int = 2) -> dict:
+        shipped = config(n, k, device, norm, element_size)
+        return dict(shipped, **overrides) if (n, k) == shape and (norm or not norm_only) else shipped
+
+    if shape is not None:
+        rows_gemm.rows_gemm_config = replaced
+    try:
+        yield
+    finally:
+        rows_gemm.rows_gemm_config = config
 
 
 def bench_model_and_prompts(batch: int, device: torch.device, prompt_len: int = 512) -> tuple:

@@ -32,8 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
-from flashcore.kernels.triton import rows_gemm as rows_gemm_kernels  # noqa: E402
-
 QKV = (3072, 2048)  # bench_generate's model, fused q/k/v
 VARIANTS = {  # name: (the q/k/v shape's config overrides,) or (None,)
     "shipped": (None,),
@@ -44,18 +42,8 @@ VARIANTS = {  # name: (the q/k/v shape's config overrides,) or (None,)
 
 
 def timed_session(model, input_ids, overrides: dict | None) -> dict:
-    config = rows_gemm_kernels.rows_gemm_config
-    if overrides is not None:
-
-        def with_loads(n: int, k: int, device, norm: bool = False, element_size: int = 2) -> dict:
-            shipped = config(n, k, device, norm, element_size)
-            return dict(shipped, **overrides) if (n, k) == QKV and norm else shipped
-
-        rows_gemm_kernels.rows_gemm_config = with_loads
-    try:
+    with harness.rows_gemm_config_replaced(QKV if overrides else None, overrides or {}, norm_only=True):
         return harness.session_steps(model, input_ids, fuse_projections=True, layer_kernels=True)
-    finally:
-        rows_gemm_kernels.rows_gemm_config = config
 
 
 def main() -> None:

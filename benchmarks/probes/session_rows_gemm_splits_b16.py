@@ -30,8 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
-from flashcore.kernels.triton import rows_gemm as rows_gemm_kernels  # noqa: E402
-
 QKV, DOWN = (3072, 2048), (2048, 8192)  # bench_generate's model, fused q/k/v
 VARIANTS = {  # name: (shape, its split_k, block_k and num_warps) or None
     "shipped": (None,),
@@ -44,19 +42,9 @@ VARIANTS = {  # name: (shape, its split_k, block_k and num_warps) or None
 
 
 def timed_session(model, input_ids, replaced: tuple | None) -> dict:
-    config = rows_gemm_kernels.rows_gemm_config
-    if replaced is not None:
-        shape, tiles = replaced
-
-        def with_tiles(n: int, k: int, device, norm: bool = False, element_size: int = 2) -> dict:
-            shipped = config(n, k, device, norm, element_size)
-            return dict(shipped, **tiles) if (n, k) == shape else shipped
-
-        rows_gemm_kernels.rows_gemm_config = with_tiles
-    try:
+    shape, tiles = replaced if replaced is not None else (None, {})
+    with harness.rows_gemm_config_replaced(shape, tiles):
         return harness.session_steps(model, input_ids, fuse_projections=True, layer_kernels=True)
-    finally:
-        rows_gemm_kernels.rows_gemm_config = config
 
 
 def main() -> None:
