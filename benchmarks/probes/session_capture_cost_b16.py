@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
+from flashcore import backends  # noqa: E402
 from flashcore.integrations import decode_session  # noqa: E402
 
 
@@ -50,8 +51,9 @@ def main() -> None:
     with torch.inference_mode():
         for index in range(args.sessions):
             variant = "collect_first" if index % 2 == 0 else "paused"
-            pause = collect_first if variant == "collect_first" else decode_session.cycle_collector_paused
-            with mock.patch.object(decode_session, "cycle_collector_paused", pause):
+            pause = collect_first if variant == "collect_first" else backends.cycle_collector_paused
+            # every capture goes through backends.captured_graph (since 918a7c4), which calls this
+            with mock.patch.object(backends, "cycle_collector_paused", pause):
                 session = decode_session.DecodeSession(
                     model, max_cache_len=768, batch_size=16, fuse_projections=True, layer_kernels=True
                 )
