@@ -122,13 +122,11 @@ if common.HAS_GLUON:
         if USE_PDL:
             common.wait_for_previous_grid()
             common.launch_dependents()
-        if ROW_RMS_BLOCKS > 0:  # the norm as a row scale after the GEMM, from the kernel before's sums
+        if ROW_RMS_BLOCKS > 0:  # the kernel before's sums of squares, loaded now, used after the products
             sums_layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
             offs_b = gl.arange(0, ROW_RMS_BLOCKS, layout=gl.SliceLayout(1, sums_layout))
             offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sums_layout))
-            sums = gl.sum(gl.load(squares_ptr + offs_b[:, None] * BLOCK_M + offs_r[None, :]), axis=0)
-            inv_rms = gl.rsqrt(sums / hidden + eps)
-            inv_rms = gl.convert_layout(inv_rms, gl.SliceLayout(0, mma))[None, :]
+            block_sums = gl.load(squares_ptr + offs_b[:, None] * BLOCK_M + offs_r[None, :])
 
         # Phase 1: gate/up block pid, with the SiLU-and-mul, as rows_gemm's swiglu call; then phase 2's first
         # weight tiles, before this block is counted.
@@ -136,7 +134,9 @@ if common.HAS_GLUON:
             acc, acc_up = stream_weight_tiles(gate_up_desc, x_desc, g_tiles, u_tiles, x_tiles, gate_up_ready, row0,
                                               intermediate + row0, 0, gate_up_tiles, zeros, GATE_UP_STAGES,
                                               GATE_UP_STAGES, True)  # fmt: skip
-            if ROW_RMS_BLOCKS > 0:
+            if ROW_RMS_BLOCKS > 0:  # the norm as a row scale after the GEMM
+                inv_rms = gl.rsqrt(gl.sum(block_sums, axis=0) / hidden + eps)
+                inv_rms = gl.convert_layout(inv_rms, gl.SliceLayout(0, mma))[None, :]
                 acc = acc * inv_rms
                 acc_up = acc_up * inv_rms
             if does_down:
