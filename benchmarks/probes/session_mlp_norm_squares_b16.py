@@ -18,6 +18,10 @@ This probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and `
 for the first call of each layer in ``norm_after`` (outside a capture), the largest difference of its MLP output from
 the shipped path's on the same input, in units of the largest magnitude.
 
+It ran at 27ed4a9, where each MLP program summed the 32 sums right after its wait, and at 73d9606, where it loads
+them there and sums them after its products. It runs at those commits only: the kernels' options it sets
+(``squares``, ``eps``) were taken out after it (entry 88).
+
     python benchmarks/probes/session_mlp_norm_squares_b16.py --out session_mlp_norm_squares_b16.json --max-cache-len 768
 """
 

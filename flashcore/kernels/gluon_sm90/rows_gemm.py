@@ -50,14 +50,12 @@ if common.HAS_GLUON:
         n_out,  # N, or N / 2 with SWIGLU
         stride_residual_m,
         tiles_per_split,
-        squares_ptr,  # [N_out / BLOCK_N, MAX_ROWS] fp32: each block's sums of its outputs' squares; ROW_SQUARES only
         SPLIT_K: gl.constexpr,
         NUM_STAGES: gl.constexpr,
         SWIGLU: gl.constexpr,  # weight rows [0, N_out) are the gate's, [N_out, N) the up's; out = silu_and_mul
         HAS_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
-        ROW_SQUARES: gl.constexpr = False,  # also write squares_ptr (SPLIT_K 1): a norm's sums for the next kernel
     ):
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
@@ -92,17 +90,8 @@ if common.HAS_GLUON:
 
         offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-        if ROW_SQUARES:
-            mask_n, mask_m = offs_n < n_out, offs_m < m
-            mask = mask_n[:, None] & mask_m[None, :]
-            out = _epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, offs_m[None, :] * n_out + offs_n[:, None],
-                            offs_n, offs_m, mask_n, mask, n_out, stride_residual_m, SWIGLU, HAS_BIAS,
-                            HAS_RESIDUAL)  # fmt: skip
-            out = gl.where(mask, out.to(gl.float32), 0.0)
-            gl.store(squares_ptr + block * BLOCK_M + offs_m, gl.sum(out * out, axis=0))
-        else:
-            store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, block, split, offs_n,
-                         offs_m, m, n_out, stride_residual_m, SPLIT_K, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+        store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, block, split, offs_n,
+                     offs_m, m, n_out, stride_residual_m, SPLIT_K, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
 
     # The pieces of the kernel above, which kernels/gluon_sm90/rows_mlp.py runs as well.
 
@@ -217,7 +206,6 @@ if common.HAS_GLUON:
             residual = gl.load(residual_ptr + offs_m[None, :] * stride_residual_m + offs_n[:, None], mask=mask)
             out = (out.to(gl.float32) + residual.to(gl.float32)).to(out_ptr.dtype.element_ty)
         gl.store(out_ptr + tile, out, mask=mask)
-        return out
 
     _launch_tma_rows_gemm = CachedLauncher(_tma_rows_gemm_kernel)
 
@@ -309,7 +297,6 @@ def tma_rows_gemm(
     out: torch.Tensor | None = None,
     split_k: int | None = None,
     num_stages: int | None = None,
-    squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, K]``, ``weight`` ``[N, K]`` (:func:`supports`), ``bias`` ``[N]`` or None, ``residual`` ``[M, N]``
     with unit stride along N or None; returns ``out`` (``[M, N]`` contiguous, a new one if None). With ``swiglu``
@@ -321,8 +308,6 @@ def tma_rows_gemm(
         out = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     config = tma_rows_gemm_config(k, swiglu)
     split_k = split_k or config["split_k"]
-    if squares is not None and split_k != 1:
-        raise ValueError(f"squares needs one K slice, got split_k={split_k}")
     num_stages = num_stages or config["num_stages"]
     tiles_per_split = k // BLOCK_K // split_k
     blocks = triton.cdiv(n_out, BLOCK_N)
@@ -338,11 +323,10 @@ def tma_rows_gemm(
         (
             out, w_desc, x_desc, bias if bias is not None else out, residual if residual is not None else out,
             partial, tickets, m, n_out, residual.stride(0) if residual is not None else 0, tiles_per_split,
-            squares if squares is not None else partial,
         ),
         dict(
             SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), SWIGLU=swiglu, HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl, ROW_SQUARES=squares is not None,
+            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
         num_warps=4,
         num_stages=1,

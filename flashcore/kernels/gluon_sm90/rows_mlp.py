@@ -67,8 +67,6 @@ if common.HAS_GLUON:
         stride_residual_m,
         gate_up_tiles,  # H / BLOCK_K
         down_tiles_per_split,  # I / BLOCK_K / DOWN_SPLIT
-        squares_ptr,  # [ROW_RMS_BLOCKS, BLOCK_M] fp32, x's rows' sums of squares by blocks of H; ROW_RMS only
-        eps,  # ROW_RMS only
         DOWN_SPLIT: gl.constexpr,
         GATE_UP_STAGES: gl.constexpr,
         DOWN_STAGES: gl.constexpr,
@@ -77,7 +75,6 @@ if common.HAS_GLUON:
         HAS_DOWN_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
-        ROW_RMS_BLOCKS: gl.constexpr = 0,  # > 0: gate/up's products times rsqrt(sum of squares / H + eps) per row
     ):
         BLOCK_N: gl.constexpr = gate_up_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = gate_up_desc.block_type.shape[1]
@@ -122,11 +119,6 @@ if common.HAS_GLUON:
         if USE_PDL:
             common.wait_for_previous_grid()
             common.launch_dependents()
-        if ROW_RMS_BLOCKS > 0:  # the kernel before's sums of squares, loaded now, used after the products
-            sums_layout: gl.constexpr = gl.BlockedLayout([1, 1], [2, 16], [4, 1], [1, 0])
-            offs_b = gl.arange(0, ROW_RMS_BLOCKS, layout=gl.SliceLayout(1, sums_layout))
-            offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, sums_layout))
-            block_sums = gl.load(squares_ptr + offs_b[:, None] * BLOCK_M + offs_r[None, :])
 
         # Phase 1: gate/up block pid, with the SiLU-and-mul, as rows_gemm's swiglu call; then phase 2's first
         # weight tiles, before this block is counted.
@@ -134,11 +126,6 @@ if common.HAS_GLUON:
             acc, acc_up = stream_weight_tiles(gate_up_desc, x_desc, g_tiles, u_tiles, x_tiles, gate_up_ready, row0,
                                               intermediate + row0, 0, gate_up_tiles, zeros, GATE_UP_STAGES,
                                               GATE_UP_STAGES, True)  # fmt: skip
-            if ROW_RMS_BLOCKS > 0:  # the norm as a row scale after the GEMM
-                inv_rms = gl.rsqrt(gl.sum(block_sums, axis=0) / hidden + eps)
-                inv_rms = gl.convert_layout(inv_rms, gl.SliceLayout(0, mma))[None, :]
-                acc = acc * inv_rms
-                acc_up = acc_up * inv_rms
             if does_down:
                 copy_weight_tiles(down_desc, d_tiles, d_tiles, down_ready, down_row0, down_row0, down_k0,
                                   down_tiles_per_split, down_bytes, 0, DOWN_PREFETCH, False)  # fmt: skip
@@ -228,8 +215,6 @@ def tma_rows_mlp(
     gate_up_stages: int | None = None,
     down_stages: int | None = None,
     down_prefetch: int | None = None,
-    squares: torch.Tensor | None = None,
-    eps: float = 0.0,
 ) -> torch.Tensor:
     """``x`` ``[M, H]`` and the weights as :func:`supports` takes them, biases or None, ``residual`` ``[M, H]`` with
     unit stride along H or None; returns ``out`` (``[M, H]`` contiguous, a new one if None):
@@ -264,14 +249,13 @@ def tma_rows_mlp(
             gate_up_bias if gate_up_bias is not None else out, down_bias if down_bias is not None else out,
             residual if residual is not None else out, partial, tickets,
             flags, m, intermediate, hidden, residual.stride(0) if residual is not None else 0, hidden // BLOCK_K,
-            down_tiles_per_split, squares if squares is not None else flags, float(eps),
+            down_tiles_per_split,
         ),
         dict(
             DOWN_SPLIT=split, GATE_UP_STAGES=gate_up_stages, DOWN_STAGES=down_stages,
             DOWN_PREFETCH=down_prefetch,
             HAS_GATE_UP_BIAS=gate_up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
             HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
-            ROW_RMS_BLOCKS=hidden // BLOCK_N if squares is not None else 0,
         ),
         num_warps=4,
         num_stages=1,
