@@ -104,10 +104,9 @@ def cycle_collector_paused():
 
 @contextlib.contextmanager
 def captured_graph(pool=None):
-    """Captures the block's CUDA work into the graph it yields (``torch.cuda.graph``, with the memory ``pool`` if
-    given): the device drained first, and the cycle collector paused through it (:func:`cycle_collector_paused`).
-    The one way flashcore captures: a session's step and prefill, a compiled step, the engine's batch buckets."""
-    torch.cuda.synchronize()
+    """Captures the block's CUDA work into the graph it yields (``torch.cuda.graph``, which drains the device first,
+    with the memory ``pool`` if given), the cycle collector paused through it (:func:`cycle_collector_paused`). The
+    one way flashcore captures: a ``DecodeSession``'s step and prefill, a compiled step, the engine's batch buckets."""
     graph = torch.cuda.CUDAGraph()
     with cycle_collector_paused(), torch.cuda.graph(graph, pool=pool):
         yield graph

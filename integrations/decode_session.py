@@ -131,8 +131,8 @@ class DecodeSession:
             raise ValueError(f"use_cuda_graph=True needs the model on CUDA, it is on {device}")
         if capture_prefill and not self.use_cuda_graph:
             raise ValueError(
-                "capture_prefill=True needs CUDA graphs, but this session runs eager steps (use_cuda_graph is False: "
-                "the model is not on one CUDA device, or it was passed so); leave capture_prefill None"
+                "capture_prefill=True needs CUDA graphs, but this DecodeSession runs eager steps (use_cuda_graph is "
+                "False: the model is not on one CUDA device, or it was passed so); leave capture_prefill None"
             )
         self.capture_prefill = self.use_cuda_graph if capture_prefill is None else capture_prefill
         self.temperature = temperature

@@ -9,12 +9,12 @@ with ``fuse_projections`` and ``layer_kernels``:
 - ``eager``: the generate as the bench ran it before entry 87's change, on a session with ``capture_prefill=False``;
 - ``graph``: the same on a second session, whose prefill replays a CUDA graph (``capture_prefill``, the default
   since entry 87: the shape's second prefill captures it). At a264aa1, before ``capture_prefill``, this probe
-  captured ``session.prefill`` itself on one session.
+  captured ``session.prefill`` itself on one ``DecodeSession``.
 
 Each generate records CUDA events at its start, after the prefill and after the decode steps, and the host clock
-around it; the two variants alternate, ``--rounds`` times each, and after each round the session's steps are timed
-as the session probes time them (``harness.ms_per_call_repeated``, 5 x ``--replays`` replays). Tokens: each
-variant's are compared with the first eager generate's.
+around it; the two variants alternate, ``--rounds`` times each, and after each round each ``DecodeSession``'s steps
+are timed as the session probes time them (``harness.ms_per_call_repeated``, 5 x ``--replays`` replays). Tokens:
+each variant's are compared with the first eager generate's.
 
     python benchmarks/probes/session_prefill_graph_b16.py --out x.json
 """
