@@ -16,7 +16,10 @@ the rows' ``[0, seq_lens)``:
 
 - ``shipped``: no prefetch;
 - ``kv``: keys and values (each program a third of one row's keys or values);
-- ``k``: keys only (each program a sixth of one row's keys).
+- ``k``: keys only (each program a sixth of one row's keys);
+- ``kv_after_wait``, ``k_after_wait``: the same issued right after the wait, once the program's weight tile has
+  come (before the wait they compete with the weight loads at the MLP's tail; after it the HBM is idle while the
+  projection sums, multiplies and rotates).
 
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``shipped``'s (a prefetch
 changes no value: None expected).
@@ -39,10 +42,16 @@ import harness  # noqa: E402
 
 from flashcore.kernels.triton import rows_gemm  # noqa: E402
 
-VARIANTS = {"shipped": (None,), "kv": (True,), "k": (False,)}  # name: (values prefetched too, or None: no prefetch)
+VARIANTS = {  # name: (values prefetched too, or None: no prefetch; issued after the wait)
+    "shipped": (None, False),
+    "kv": (True, False),
+    "k": (False, False),
+    "kv_after_wait": (True, True),
+    "k_after_wait": (False, True),
+}
 
 
-def with_prefetch(gemm, session, values_too: bool):
+def with_prefetch(gemm, session, values_too: bool, after_wait: bool):
     calls = [0]
 
     def wrapped(x, weight, bias, **kwargs):
@@ -50,13 +59,13 @@ def with_prefetch(gemm, session, values_too: bool):
             layers = session.cache.layers
             layer = layers[calls[0] % len(layers)]
             calls[0] += 1
-            kwargs["prefetch"] = (layer.keys, layer.values if values_too else None, layer.seq_lens)
+            kwargs["prefetch"] = (layer.keys, layer.values if values_too else None, layer.seq_lens, after_wait)
         return gemm(x, weight, bias, **kwargs)
 
     return wrapped
 
 
-def timed_session(model, input_ids, values_too: bool | None) -> dict:
+def timed_session(model, input_ids, values_too: bool | None, after_wait: bool) -> dict:
     """``harness.session_steps``, with the session at hand for the wrapper."""
     from flashcore.integrations.decode_session import DecodeSession
 
@@ -66,7 +75,7 @@ def timed_session(model, input_ids, values_too: bool | None) -> dict:
         model, max_cache_len=max_cache_len, batch_size=input_ids.shape[0], fuse_projections=True, layer_kernels=True
     )
     if values_too is not None:
-        rows_gemm.rows_gemm_triton = with_prefetch(gemm, session, values_too)
+        rows_gemm.rows_gemm_triton = with_prefetch(gemm, session, values_too, after_wait)
     try:
         session.prefill(input_ids)
         for _ in range(31):

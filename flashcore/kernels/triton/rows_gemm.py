@@ -198,6 +198,7 @@ def _rows_gemm_kernel(
     USE_PDL: tl.constexpr,
     PREFETCH_CHUNKS: tl.constexpr = 0,
     PREFETCH_BOTH: tl.constexpr = False,
+    PREFETCH_AFTER_WAIT: tl.constexpr = False,
 ):
     block = tl.program_id(0)
     split = tl.program_id(1)
@@ -218,12 +219,15 @@ def _rows_gemm_kernel(
     cols = k_start + tl.arange(0, BLOCK_K)
     mask_k = cols < k_end
     w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-    if PREFETCH_CHUNKS > 0:
+    if PREFETCH_CHUNKS > 0 and not PREFETCH_AFTER_WAIT:
         _prefetch_kv_l2(prefetch_keys, prefetch_values, prefetch_lens_ptr, prefetch_token_bytes, prefetch_row_bytes,
                         prefetch_regions, PREFETCH_CHUNKS, PREFETCH_BOTH)  # fmt: skip
     if USE_PDL:
         gdc_wait()  # x (and up, the residual) come from the kernels before
         gdc_launch_dependents()
+    if PREFETCH_CHUNKS > 0 and PREFETCH_AFTER_WAIT:
+        _prefetch_kv_l2(prefetch_keys, prefetch_values, prefetch_lens_ptr, prefetch_token_bytes, prefetch_row_bytes,
+                        prefetch_regions, PREFETCH_CHUNKS, PREFETCH_BOTH)  # fmt: skip
     inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
     if NORM:
         inv_rms = _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K)
@@ -332,11 +336,11 @@ def rows_gemm_triton(
         tickets = scratch_buffer("rows_gemm_tickets", blocks, torch.int32, x.device)
     use_pdl = uses_programmatic_launch(x.device)
     unused = out  # stands in for the pointers the constexpr switches keep the kernel from reading
-    # Probe only: (keys, values or None, seq_lens) of one layer's cache, [B, S_max, H_kv, D] storage, prefetched
-    # into L2 before the wait.
+    # Probe only: (keys, values or None, seq_lens[, after the wait]) of one layer's cache, [B, S_max, H_kv, D]
+    # storage, prefetched into L2 before the wait (or after it).
     prefetch_args, chunks = (0, 0, unused, 0, 0, 1), 0
     if prefetch is not None:
-        keys, values, lens = prefetch
+        keys, values, lens = prefetch[:3]
         regions = keys.shape[0] * (2 if values is not None else 1)
         chunks = blocks * split_k // regions
         prefetch_args = (
@@ -359,6 +363,7 @@ def rows_gemm_triton(
             ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, EXACT_ROTARY=x.is_cuda,
             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None, USE_PDL=use_pdl, PREFETCH_CHUNKS=chunks,
             PREFETCH_BOTH=prefetch is not None and prefetch[1] is not None,
+            PREFETCH_AFTER_WAIT=prefetch is not None and len(prefetch) > 3 and prefetch[3],
         ),
         num_warps=config["num_warps"],
         num_stages=1,
