@@ -199,6 +199,7 @@ def _rows_gemm_kernel(
     PREFETCH_CHUNKS: tl.constexpr = 0,
     PREFETCH_BOTH: tl.constexpr = False,
     PREFETCH_AFTER_WAIT: tl.constexpr = False,
+    WEIGHTLESS: tl.constexpr = False,  # probe only: no weight loads (zeros), a bound
 ):
     block = tl.program_id(0)
     split = tl.program_id(1)
@@ -218,7 +219,7 @@ def _rows_gemm_kernel(
     # stage 1: the first weight tile, loaded while the kernel before may still run
     cols = k_start + tl.arange(0, BLOCK_K)
     mask_k = cols < k_end
-    w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+    w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :] & (not WEIGHTLESS), other=0.0)
     if PREFETCH_CHUNKS > 0 and not PREFETCH_AFTER_WAIT:
         _prefetch_kv_l2(prefetch_keys, prefetch_values, prefetch_lens_ptr, prefetch_token_bytes, prefetch_row_bytes,
                         prefetch_regions, PREFETCH_CHUNKS, PREFETCH_BOTH)  # fmt: skip
@@ -238,7 +239,7 @@ def _rows_gemm_kernel(
     for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         mask_k = cols < k_end
-        w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :] & (not WEIGHTLESS), other=0.0)
         x = _input_tile(x_cols, up_cols, norm_weight_ptr, inv_rms, cols, mask_k, mask_m, SWIGLU, NORM)
         acc = tl.dot(w, x, acc, input_precision=INPUT_PRECISION)
 
@@ -364,6 +365,7 @@ def rows_gemm_triton(
             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None, USE_PDL=use_pdl, PREFETCH_CHUNKS=chunks,
             PREFETCH_BOTH=prefetch is not None and prefetch[1] is not None,
             PREFETCH_AFTER_WAIT=prefetch is not None and len(prefetch) > 3 and prefetch[3],
+            WEIGHTLESS=config.get("weightless", False),
         ),
         num_warps=config["num_warps"],
         num_stages=1,

@@ -1,0 +1,46 @@
+"""Issue 29: a bound: the B=16 replayed step with the q/k/v projection's weight loads taken out.
+
+The q/k/v projection (3072 x 2048, 12.6 MB, the norm and the RoPE inside; 2 K slices of one 64 x 1024 tile a
+program, 96 programs) advances a B=16 layer by 10.0 µs where its weight needs 4.2 at the copy (entry 86). A
+program loads its tile before its PDL wait, but can start only once an SM is free of the MLP before it. How much of
+the 10 µs is that weight stream, and how much the chain after the wait (the norm's reads, the MMA, the split-K
+ticket, the RoPE)? This probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and
+``layer_kernels``, no compile) on ``bench_generate``'s model (bf16, 16 random 512-token prompts) in one process, the
+variants alternating over ``--rounds`` rounds:
+
+- ``shipped``;
+- ``weightless``: the q/k/v programs load no weight (masked loads: zeros), everything else as shipped. The tokens
+  are wrong (every q, k and v is zero); the timing is the bound of any change that hides the q/k/v weight stream,
+  such as a persistent kernel that loads it during the MLP.
+
+Per variant: µs per replayed step (the tokens part from ``shipped``'s at once in ``weightless``, as they must).
+
+It runs at the commit that added it only: ``rows_gemm_config``'s ``weightless`` is taken out of the kernel after it.
+
+    python benchmarks/probes/session_qkv_weightless_b16.py --out session_qkv_weightless_b16.json --max-cache-len 768
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness  # noqa: E402
+
+QKV = (3072, 2048)  # bench_generate's model, fused q/k/v
+VARIANTS = {"shipped": (None,), "weightless": (dict(weightless=True),)}  # name: (the q/k/v config's overrides,)
+
+
+def timed_session(model, input_ids, overrides: dict | None) -> dict:
+    with harness.rows_gemm_config_replaced(QKV if overrides else None, overrides or {}, norm_only=True):
+        return harness.session_steps(model, input_ids, fuse_projections=True, layer_kernels=True)
+
+
+def main() -> None:
+    harness.session_probe_main(__doc__, VARIANTS, timed_session, reference="shipped", batch=16)
+
+
+if __name__ == "__main__":
+    main()
