@@ -200,6 +200,8 @@ def _rows_gemm_kernel(
     PREFETCH_BOTH: tl.constexpr = False,
     PREFETCH_AFTER_WAIT: tl.constexpr = False,
     WEIGHTLESS: tl.constexpr = False,  # probe only: no weight loads (zeros), a bound
+    NO_TICKET: tl.constexpr = False,
+    NO_NORM_SUMS: tl.constexpr = False,
 ):
     block = tl.program_id(0)
     split = tl.program_id(1)
@@ -230,7 +232,7 @@ def _rows_gemm_kernel(
         _prefetch_kv_l2(prefetch_keys, prefetch_values, prefetch_lens_ptr, prefetch_token_bytes, prefetch_row_bytes,
                         prefetch_regions, PREFETCH_CHUNKS, PREFETCH_BOTH)  # fmt: skip
     inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM:
+    if NORM and not NO_NORM_SUMS:  # probe only, a bound: NO_NORM_SUMS scales by 1
         inv_rms = _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K)
     x = _input_tile(x_cols, up_cols, norm_weight_ptr, inv_rms, cols, mask_k, mask_m, SWIGLU, NORM)
     acc = tl.dot(w, x, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), input_precision=INPUT_PRECISION)
@@ -251,11 +253,17 @@ def _rows_gemm_kernel(
         )  # fmt: skip
     else:
         partial_tile = offs_m[None, :] * n + offs_n[:, None]  # out.T's tile in one split's [BLOCK_M, N] partial
-        tl.store(partial_ptr + split * BLOCK_M * n + partial_tile, acc, mask=mask)
+        if not NO_TICKET:
+            tl.store(partial_ptr + split * BLOCK_M * n + partial_tile, acc, mask=mask)
         # The barrier puts every warp's partial stores before the ticket, whose release then publishes them; the
         # last taker's acquire makes every program's partial visible to its loads (from L2).
         tl.debug_barrier()
-        if tl.atomic_add(tickets_ptr + block, 1, sem="acq_rel") == SPLIT_K - 1:
+        if NO_TICKET:  # probe only, a bound: every slice writes its own products as the output
+            _store_output(
+                acc, bias_ptr, residual_ptr, cos_ptr, sin_ptr, out_ptr, offs_n, offs_m, mask_n, mask_m, n,
+                stride_residual_m, stride_cos_m, rotates, HAS_BIAS, HAS_RESIDUAL, HALF, EXACT_ROTARY,
+            )  # fmt: skip
+        elif tl.atomic_add(tickets_ptr + block, 1, sem="acq_rel") == SPLIT_K - 1:
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(
@@ -365,7 +373,8 @@ def rows_gemm_triton(
             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None, USE_PDL=use_pdl, PREFETCH_CHUNKS=chunks,
             PREFETCH_BOTH=prefetch is not None and prefetch[1] is not None,
             PREFETCH_AFTER_WAIT=prefetch is not None and len(prefetch) > 3 and prefetch[3],
-            WEIGHTLESS=config.get("weightless", False),
+            WEIGHTLESS=config.get("weightless", False), NO_TICKET=config.get("no_ticket", False),
+            NO_NORM_SUMS=config.get("no_norm_sums", False),
         ),
         num_warps=config["num_warps"],
         num_stages=1,

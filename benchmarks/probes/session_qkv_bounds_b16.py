@@ -1,4 +1,4 @@
-"""Issue 29: a bound: the B=16 replayed step with the q/k/v projection's weight loads taken out.
+"""Issue 29: bounds: the B=16 replayed step with parts of the q/k/v projection taken out.
 
 The q/k/v projection (3072 x 2048, 12.6 MB, the norm and the RoPE inside; 2 K slices of one 64 x 1024 tile a
 program, 96 programs) advances a B=16 layer by 10.0 µs where its weight needs 4.2 at the copy (entry 86). A
@@ -11,13 +11,19 @@ variants alternating over ``--rounds`` rounds:
 - ``shipped``;
 - ``weightless``: the q/k/v programs load no weight (masked loads: zeros), everything else as shipped. The tokens
   are wrong (every q, k and v is zero); the timing is the bound of any change that hides the q/k/v weight stream,
-  such as a persistent kernel that loads it during the MLP.
+  such as a persistent kernel that loads it during the MLP;
+- ``no_ticket``: no split-K sum: each of a row block's two programs writes its own slice's products as the output
+  (racing; wrong values), with no partial stored, no ticket and no reload: the bound of a cheaper split-K handoff;
+- ``no_norm_sums``: the norm's sums of squares not taken (each row scaled by 1; wrong values): the bound of the
+  norm's prologue, the first reads of x after the wait.
 
-Per variant: µs per replayed step (the tokens part from ``shipped``'s at once in ``weightless``, as they must).
+Per variant: µs per replayed step (the tokens of the bounds part from ``shipped``'s, as they must).
 
-It runs at the commit that added it only: ``rows_gemm_config``'s ``weightless`` is taken out of the kernel after it.
+``weightless`` ran at 04bfb80 (named ``session_qkv_weightless_b16.py`` there), all four at the commit that added
+the other two; ``rows_gemm_config``'s ``weightless``, ``no_ticket`` and ``no_norm_sums`` are taken out of the kernel
+after them.
 
-    python benchmarks/probes/session_qkv_weightless_b16.py --out session_qkv_weightless_b16.json --max-cache-len 768
+    python benchmarks/probes/session_qkv_bounds_b16.py --out session_qkv_bounds_b16.json --max-cache-len 768
 """
 
 from __future__ import annotations
@@ -30,7 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 
 QKV = (3072, 2048)  # bench_generate's model, fused q/k/v
-VARIANTS = {"shipped": (None,), "weightless": (dict(weightless=True),)}  # name: (the q/k/v config's overrides,)
+VARIANTS = {  # name: (the q/k/v config's overrides,)
+    "shipped": (None,),
+    "weightless": (dict(weightless=True),),
+    "no_ticket": (dict(no_ticket=True),),
+    "no_norm_sums": (dict(no_norm_sums=True),),
+}
 
 
 def timed_session(model, input_ids, overrides: dict | None) -> dict:
