@@ -183,6 +183,7 @@ def _rows_gemm_kernel(
     prefetch_token_bytes,
     prefetch_row_bytes,
     prefetch_regions,
+    norm_squares_ptr,  # probe only: [SQUARES_BLOCKS, BLOCK_M] fp32
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -202,6 +203,7 @@ def _rows_gemm_kernel(
     WEIGHTLESS: tl.constexpr = False,  # probe only: no weight loads (zeros), a bound
     NO_TICKET: tl.constexpr = False,
     NO_NORM_SUMS: tl.constexpr = False,
+    SQUARES_BLOCKS: tl.constexpr = 0,
 ):
     block = tl.program_id(0)
     split = tl.program_id(1)
@@ -232,7 +234,10 @@ def _rows_gemm_kernel(
         _prefetch_kv_l2(prefetch_keys, prefetch_values, prefetch_lens_ptr, prefetch_token_bytes, prefetch_row_bytes,
                         prefetch_regions, PREFETCH_CHUNKS, PREFETCH_BOTH)  # fmt: skip
     inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM and not NO_NORM_SUMS:  # probe only, a bound: NO_NORM_SUMS scales by 1
+    if NORM and SQUARES_BLOCKS > 0:  # probe only: the rows' squares summed by the kernel that wrote x, per block
+        blocks_squares = tl.load(norm_squares_ptr + tl.arange(0, SQUARES_BLOCKS)[:, None] * BLOCK_M + offs_m[None, :])
+        inv_rms = tl.rsqrt(tl.sum(blocks_squares, axis=0) / k + eps)
+    elif NORM and not NO_NORM_SUMS:  # probe only, a bound: NO_NORM_SUMS scales by 1
         inv_rms = _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K)
     x = _input_tile(x_cols, up_cols, norm_weight_ptr, inv_rms, cols, mask_k, mask_m, SWIGLU, NORM)
     acc = tl.dot(w, x, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), input_precision=INPUT_PRECISION)
@@ -325,6 +330,7 @@ def rows_gemm_triton(
     rotated: int = 0,
     out: torch.Tensor | None = None,
     prefetch: tuple | None = None,
+    norm_squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` (M <= 16) with unit stride along K, ``weight`` ``[N, K]`` likewise, ``bias`` ``[N]`` or None;
     returns ``out`` (``[M, N]`` contiguous of ``x``'s dtype; a new one if None). With ``up`` (``x``'s shape, unit
@@ -364,7 +370,7 @@ def rows_gemm_triton(
             cos if cos is not None else unused, sin if sin is not None else unused, partial, tickets, out, m, n, k,
             x.stride(0), up.stride(0) if up is not None else 0, residual.stride(0) if residual is not None else 0,
             weight.stride(0), cos.stride(0) if cos is not None else 0, k_per_split, float(eps), rotated,
-            *prefetch_args,
+            *prefetch_args, norm_squares if norm_squares is not None else unused,
         ),
         dict(
             BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SWIGLU=up is not None,
@@ -375,6 +381,7 @@ def rows_gemm_triton(
             PREFETCH_AFTER_WAIT=prefetch is not None and len(prefetch) > 3 and prefetch[3],
             WEIGHTLESS=config.get("weightless", False), NO_TICKET=config.get("no_ticket", False),
             NO_NORM_SUMS=config.get("no_norm_sums", False),
+            SQUARES_BLOCKS=norm_squares.shape[0] if norm_squares is not None else 0,
         ),
         num_warps=config["num_warps"],
         num_stages=1,
