@@ -24,8 +24,8 @@ the rows' ``[0, seq_lens)``:
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``shipped``'s (a prefetch
 changes no value: None expected).
 
-It runs at the commit that added it only: ``rows_gemm_triton``'s ``prefetch`` is taken out of the kernel after it
-unless NOTES.md says it was kept.
+It runs at 1b61ede only (05defdd: the first three variants): ``rows_gemm_triton``'s ``prefetch`` was taken out of
+the kernel after it (entry 89).
 
     python benchmarks/probes/session_kv_prefetch_b16.py --out session_kv_prefetch_b16.json --max-cache-len 768
 """

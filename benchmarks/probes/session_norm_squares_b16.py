@@ -21,8 +21,7 @@ Per variant: µs per replayed step and the first step where row 0's 32 tokens pa
 are added in another order, so a norm may round the other way: they may part); and the largest relative error of
 the sums the eager warm-up steps read, against x's own squares summed by torch.
 
-It runs at the commit that added it only: the kernels' ``squares`` and ``norm_squares`` are taken out after it
-unless NOTES.md says it was kept.
+It runs at eca95de only: the kernels' ``squares`` and ``norm_squares`` were taken out after it (entry 89).
 
     python benchmarks/probes/session_norm_squares_b16.py --out session_norm_squares_b16.json --max-cache-len 768
 """

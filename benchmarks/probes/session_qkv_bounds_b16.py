@@ -19,9 +19,9 @@ variants alternating over ``--rounds`` rounds:
 
 Per variant: µs per replayed step (the tokens of the bounds part from ``shipped``'s, as they must).
 
-``weightless`` ran at 04bfb80 (named ``session_qkv_weightless_b16.py`` there), all four at the commit that added
-the other two; ``rows_gemm_config``'s ``weightless``, ``no_ticket`` and ``no_norm_sums`` are taken out of the kernel
-after them.
+It runs at ce2c370 only (04bfb80, where it was named ``session_qkv_weightless_b16.py``: the first two variants):
+``rows_gemm_config``'s ``weightless``, ``no_ticket`` and ``no_norm_sums`` were taken out of the kernel after it
+(entry 89).
 
     python benchmarks/probes/session_qkv_bounds_b16.py --out session_qkv_bounds_b16.json --max-cache-len 768
 """

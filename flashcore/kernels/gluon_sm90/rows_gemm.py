@@ -147,7 +147,7 @@ if common.HAS_GLUON:
     def store_output(
         acc, acc_up, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, block, split, offs_n, offs_m, m, n_out,
         stride_residual_m, SPLIT_K: gl.constexpr, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr,
-        HAS_RESIDUAL: gl.constexpr, squares_ptr=None, WRITE_SQUARES: gl.constexpr = False,
+        HAS_RESIDUAL: gl.constexpr,
     ):  # fmt: skip
         """Writes ``out.T``'s tile ``[offs_n, offs_m]`` (``out`` ``[m, n_out]``) from this K slice's products: at one
         slice through :func:`_epilogue`; in ``SPLIT_K`` slices each writes its products to its partial, and the last
@@ -173,25 +173,12 @@ if common.HAS_GLUON:
                     acc += gl.load(split_tile, mask=mask, other=0.0, cache_modifier=".cg")
                     if SWIGLU:
                         acc_up += gl.load(split_tile + n_out, mask=mask, other=0.0, cache_modifier=".cg")
-                out = _epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask,
-                                n_out, stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
-                if WRITE_SQUARES:
-                    _store_squares(out, squares_ptr, block, offs_m, mask_m)
+                _epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
+                          stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
                 gl.atomic_xchg(tickets_ptr + block, 0)
         else:
-            out = _epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
-                            stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
-            if WRITE_SQUARES:
-                _store_squares(out, squares_ptr, block, offs_m, mask_m)
-
-    @gluon.jit
-    def _store_squares(out, squares_ptr, block, offs_m, mask_m):
-        """Probe only: each row's sum of squares over this block's outputs (fp32, of the rounded values), at
-        ``squares[block, row]``: what the next layer's norm sums (``kernels/triton/rows_gemm.py``'s
-        ``SQUARES_BLOCKS``)."""
-        BLOCK_M: gl.constexpr = out.shape[1]
-        values = out.to(gl.float32)
-        gl.store(squares_ptr + block * BLOCK_M + offs_m, gl.sum(values * values, 0), mask=mask_m)
+            _epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
+                      stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
 
     @gluon.jit
     def _silu_and_mul(gate, up):
@@ -219,7 +206,6 @@ if common.HAS_GLUON:
             residual = gl.load(residual_ptr + offs_m[None, :] * stride_residual_m + offs_n[:, None], mask=mask)
             out = (out.to(gl.float32) + residual.to(gl.float32)).to(out_ptr.dtype.element_ty)
         gl.store(out_ptr + tile, out, mask=mask)
-        return out
 
     _launch_tma_rows_gemm = CachedLauncher(_tma_rows_gemm_kernel)
 

@@ -61,7 +61,6 @@ if common.HAS_GLUON:
         partial_ptr,  # [DOWN_SPLIT, MAX_ROWS, H] fp32; used only when DOWN_SPLIT > 1
         tickets_ptr,  # [H / BLOCK_N] int32, zero between launches; used only when DOWN_SPLIT > 1
         flags_ptr,  # [2 * DOWN_SPLIT] int32, zero between launches: gate/up blocks done, then readers, per K slice
-        squares_ptr,  # probe only: [H / BLOCK_N, MAX_ROWS] fp32, written when WRITE_SQUARES
         m,
         intermediate,  # I
         hidden,  # H
@@ -76,7 +75,6 @@ if common.HAS_GLUON:
         HAS_DOWN_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
-        WRITE_SQUARES: gl.constexpr = False,
     ):
         BLOCK_N: gl.constexpr = gate_up_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = gate_up_desc.block_type.shape[1]
@@ -161,7 +159,7 @@ if common.HAS_GLUON:
             offs_n = down_row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
             store_output(acc, acc, down_bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, down_block, split,
                          offs_n, offs_m, m, hidden, stride_residual_m, DOWN_SPLIT, False, HAS_DOWN_BIAS,
-                         HAS_RESIDUAL, squares_ptr, WRITE_SQUARES)  # fmt: skip
+                         HAS_RESIDUAL)  # fmt: skip
         for stage in gl.static_range(DOWN_STAGES):
             mbarrier.invalidate(down_ready.index(stage))
 
@@ -217,7 +215,6 @@ def tma_rows_mlp(
     gate_up_stages: int | None = None,
     down_stages: int | None = None,
     down_prefetch: int | None = None,
-    squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, H]`` and the weights as :func:`supports` takes them, biases or None, ``residual`` ``[M, H]`` with
     unit stride along H or None; returns ``out`` (``[M, H]`` contiguous, a new one if None):
@@ -251,15 +248,14 @@ def tma_rows_mlp(
             tma_rows_gemm._weight_descriptor(down_weight), activated_desc, activated,
             gate_up_bias if gate_up_bias is not None else out, down_bias if down_bias is not None else out,
             residual if residual is not None else out, partial, tickets,
-            flags, squares if squares is not None else flags, m, intermediate, hidden,
-            residual.stride(0) if residual is not None else 0, hidden // BLOCK_K,
+            flags, m, intermediate, hidden, residual.stride(0) if residual is not None else 0, hidden // BLOCK_K,
             down_tiles_per_split,
         ),
         dict(
             DOWN_SPLIT=split, GATE_UP_STAGES=gate_up_stages, DOWN_STAGES=down_stages,
             DOWN_PREFETCH=down_prefetch,
             HAS_GATE_UP_BIAS=gate_up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
-            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl, WRITE_SQUARES=squares is not None,
+            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
         num_warps=4,
         num_stages=1,

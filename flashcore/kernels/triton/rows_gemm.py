@@ -125,35 +125,6 @@ def _store_output(
 
 
 @triton.jit
-def _prefetch_kv_l2(keys, values, lens_ptr, token_bytes, row_bytes, regions, CHUNKS: tl.constexpr, BOTH: tl.constexpr):
-    """Probe only: one bulk L2 prefetch (``cp.async.bulk.prefetch.L2``, sm_90) of a ``CHUNKS``-th of one cache row's
-    keys or values ``[0, lens[row])`` (``[B, S_max, H_kv, D]`` storage), from the program's first thread. Program
-    ``p`` takes region ``p % regions`` (the keys of row ``r // 2`` where ``r`` is even, its values where odd; every
-    region is keys without ``BOTH``) and chunk ``p // regions``."""
-    program = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
-    region = program % regions
-    chunk = program // regions
-    if BOTH:
-        row = region // 2
-        base = tl.where(region % 2 == 1, values, keys)
-    else:
-        row = region
-        base = keys + 0 * region
-    length = tl.load(lens_ptr + row).to(tl.int64)
-    nbytes = length * token_bytes
-    share = tl.cdiv(tl.cdiv(nbytes, CHUNKS), 16) * 16
-    start = chunk.to(tl.int64) * share
-    size = tl.minimum(tl.maximum(nbytes - start, 0), share).to(tl.int32)
-    size = tl.where(chunk < CHUNKS, size, 0)
-    address = tl.full([1], 0, tl.int64) + base + row.to(tl.int64) * row_bytes + start
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; setp.ne.and.u32 p, $2, 0, p;"
-        " @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [address, tl.full([1], 0, tl.int32) + size], dtype=tl.int32, is_pure=False, pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
 def _rows_gemm_kernel(
     x_ptr,  # [M, K], unit stride along K; the gate rows when SWIGLU
     up_ptr,  # [M, K], unit stride along K; read only when SWIGLU
@@ -177,13 +148,6 @@ def _rows_gemm_kernel(
     k_per_split,  # a multiple of BLOCK_K
     eps,  # the norm's; used only when NORM
     rotated,  # outputs [0, rotated) are heads of D = 2 * HALF to rotate, a multiple of BLOCK_N; used only when ROTARY
-    prefetch_keys,  # probe only (PREFETCH_CHUNKS > 0): _prefetch_kv_l2's arguments
-    prefetch_values,
-    prefetch_lens_ptr,
-    prefetch_token_bytes,
-    prefetch_row_bytes,
-    prefetch_regions,
-    norm_squares_ptr,  # probe only: [SQUARES_BLOCKS, BLOCK_M] fp32
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -197,13 +161,6 @@ def _rows_gemm_kernel(
     EXACT_ROTARY: tl.constexpr,  # layer_kernels.rotate_halves' EXACT
     INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs; None: tl.dot's default (fp16, bf16)
     USE_PDL: tl.constexpr,
-    PREFETCH_CHUNKS: tl.constexpr = 0,
-    PREFETCH_BOTH: tl.constexpr = False,
-    PREFETCH_AFTER_WAIT: tl.constexpr = False,
-    WEIGHTLESS: tl.constexpr = False,  # probe only: no weight loads (zeros), a bound
-    NO_TICKET: tl.constexpr = False,
-    NO_NORM_SUMS: tl.constexpr = False,
-    SQUARES_BLOCKS: tl.constexpr = 0,
 ):
     block = tl.program_id(0)
     split = tl.program_id(1)
@@ -223,21 +180,12 @@ def _rows_gemm_kernel(
     # stage 1: the first weight tile, loaded while the kernel before may still run
     cols = k_start + tl.arange(0, BLOCK_K)
     mask_k = cols < k_end
-    w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :] & (not WEIGHTLESS), other=0.0)
-    if PREFETCH_CHUNKS > 0 and not PREFETCH_AFTER_WAIT:
-        _prefetch_kv_l2(prefetch_keys, prefetch_values, prefetch_lens_ptr, prefetch_token_bytes, prefetch_row_bytes,
-                        prefetch_regions, PREFETCH_CHUNKS, PREFETCH_BOTH)  # fmt: skip
+    w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
     if USE_PDL:
         gdc_wait()  # x (and up, the residual) come from the kernels before
         gdc_launch_dependents()
-    if PREFETCH_CHUNKS > 0 and PREFETCH_AFTER_WAIT:
-        _prefetch_kv_l2(prefetch_keys, prefetch_values, prefetch_lens_ptr, prefetch_token_bytes, prefetch_row_bytes,
-                        prefetch_regions, PREFETCH_CHUNKS, PREFETCH_BOTH)  # fmt: skip
     inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM and SQUARES_BLOCKS > 0:  # probe only: the rows' squares summed by the kernel that wrote x, per block
-        blocks_squares = tl.load(norm_squares_ptr + tl.arange(0, SQUARES_BLOCKS)[:, None] * BLOCK_M + offs_m[None, :])
-        inv_rms = tl.rsqrt(tl.sum(blocks_squares, axis=0) / k + eps)
-    elif NORM and not NO_NORM_SUMS:  # probe only, a bound: NO_NORM_SUMS scales by 1
+    if NORM:
         inv_rms = _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K)
     x = _input_tile(x_cols, up_cols, norm_weight_ptr, inv_rms, cols, mask_k, mask_m, SWIGLU, NORM)
     acc = tl.dot(w, x, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), input_precision=INPUT_PRECISION)
@@ -246,7 +194,7 @@ def _rows_gemm_kernel(
     for start in range(k_start + BLOCK_K, k_end, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         mask_k = cols < k_end
-        w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :] & (not WEIGHTLESS), other=0.0)
+        w = tl.load(weight_rows + cols[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = _input_tile(x_cols, up_cols, norm_weight_ptr, inv_rms, cols, mask_k, mask_m, SWIGLU, NORM)
         acc = tl.dot(w, x, acc, input_precision=INPUT_PRECISION)
 
@@ -258,17 +206,11 @@ def _rows_gemm_kernel(
         )  # fmt: skip
     else:
         partial_tile = offs_m[None, :] * n + offs_n[:, None]  # out.T's tile in one split's [BLOCK_M, N] partial
-        if not NO_TICKET:
-            tl.store(partial_ptr + split * BLOCK_M * n + partial_tile, acc, mask=mask)
+        tl.store(partial_ptr + split * BLOCK_M * n + partial_tile, acc, mask=mask)
         # The barrier puts every warp's partial stores before the ticket, whose release then publishes them; the
         # last taker's acquire makes every program's partial visible to its loads (from L2).
         tl.debug_barrier()
-        if NO_TICKET:  # probe only, a bound: every slice writes its own products as the output
-            _store_output(
-                acc, bias_ptr, residual_ptr, cos_ptr, sin_ptr, out_ptr, offs_n, offs_m, mask_n, mask_m, n,
-                stride_residual_m, stride_cos_m, rotates, HAS_BIAS, HAS_RESIDUAL, HALF, EXACT_ROTARY,
-            )  # fmt: skip
-        elif tl.atomic_add(tickets_ptr + block, 1, sem="acq_rel") == SPLIT_K - 1:
+        if tl.atomic_add(tickets_ptr + block, 1, sem="acq_rel") == SPLIT_K - 1:
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 total += tl.load(
@@ -329,8 +271,6 @@ def rows_gemm_triton(
     sin: torch.Tensor | None = None,
     rotated: int = 0,
     out: torch.Tensor | None = None,
-    prefetch: tuple | None = None,
-    norm_squares: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` (M <= 16) with unit stride along K, ``weight`` ``[N, K]`` likewise, ``bias`` ``[N]`` or None;
     returns ``out`` (``[M, N]`` contiguous of ``x``'s dtype; a new one if None). With ``up`` (``x``'s shape, unit
@@ -351,17 +291,6 @@ def rows_gemm_triton(
         tickets = scratch_buffer("rows_gemm_tickets", blocks, torch.int32, x.device)
     use_pdl = uses_programmatic_launch(x.device)
     unused = out  # stands in for the pointers the constexpr switches keep the kernel from reading
-    # Probe only: (keys, values or None, seq_lens[, after the wait]) of one layer's cache, [B, S_max, H_kv, D]
-    # storage, prefetched into L2 before the wait (or after it).
-    prefetch_args, chunks = (0, 0, unused, 0, 0, 1), 0
-    if prefetch is not None:
-        keys, values, lens = prefetch[:3]
-        regions = keys.shape[0] * (2 if values is not None else 1)
-        chunks = blocks * split_k // regions
-        prefetch_args = (
-            keys.data_ptr(), (values if values is not None else keys).data_ptr(), lens,
-            keys.stride(2) * keys.element_size(), keys.stride(0) * keys.element_size(), regions,
-        )  # fmt: skip
     _launch_rows_gemm(
         (blocks, split_k, 1),
         (
@@ -370,18 +299,12 @@ def rows_gemm_triton(
             cos if cos is not None else unused, sin if sin is not None else unused, partial, tickets, out, m, n, k,
             x.stride(0), up.stride(0) if up is not None else 0, residual.stride(0) if residual is not None else 0,
             weight.stride(0), cos.stride(0) if cos is not None else 0, k_per_split, float(eps), rotated,
-            *prefetch_args, norm_squares if norm_squares is not None else unused,
         ),
         dict(
             BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SWIGLU=up is not None,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
             ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, EXACT_ROTARY=x.is_cuda,
-            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None, USE_PDL=use_pdl, PREFETCH_CHUNKS=chunks,
-            PREFETCH_BOTH=prefetch is not None and prefetch[1] is not None,
-            PREFETCH_AFTER_WAIT=prefetch is not None and len(prefetch) > 3 and prefetch[3],
-            WEIGHTLESS=config.get("weightless", False), NO_TICKET=config.get("no_ticket", False),
-            NO_NORM_SUMS=config.get("no_norm_sums", False),
-            SQUARES_BLOCKS=norm_squares.shape[0] if norm_squares is not None else 0,
+            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None, USE_PDL=use_pdl,
         ),
         num_warps=config["num_warps"],
         num_stages=1,
