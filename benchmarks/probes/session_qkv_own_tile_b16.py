@@ -19,7 +19,7 @@ and captured:
 
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``shipped``'s.
 
-It runs at the commit that added it; ``own_tile_norm`` stays in the kernel only if NOTES.md says it was kept.
+It runs at dfce868 only: ``own_tile_norm`` was taken out of the kernel after it (level; entry 89).
 
     python benchmarks/probes/session_qkv_own_tile_b16.py --out session_qkv_own_tile_b16.json --max-cache-len 768
 """

@@ -161,7 +161,6 @@ def _rows_gemm_kernel(
     EXACT_ROTARY: tl.constexpr,  # layer_kernels.rotate_halves' EXACT
     INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs; None: tl.dot's default (fp16, bf16)
     USE_PDL: tl.constexpr,
-    OWN_TILE_NORM: tl.constexpr = False,  # probe only; needs NORM, SPLIT_K 2 and k_per_split == BLOCK_K
 ):
     block = tl.program_id(0)
     split = tl.program_id(1)
@@ -186,23 +185,9 @@ def _rows_gemm_kernel(
         gdc_wait()  # x (and up, the residual) come from the kernels before
         gdc_launch_dependents()
     inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM and OWN_TILE_NORM:
-        # Probe only: K in two slices of one tile each. The program's own tile and the other, both loaded at once;
-        # each tile's squares summed, the two sums added (fp32 addition commutes, so both programs of a row block
-        # get the same bits); the own tile normalized from registers, not read again.
-        other_cols = (1 - split) * BLOCK_K + tl.arange(0, BLOCK_K)
-        x_mask = mask_k[:, None] & mask_m[None, :]
-        own = tl.load(x_cols + cols[:, None], mask=x_mask, other=0.0)
-        other = tl.load(x_cols + other_cols[:, None], mask=(other_cols < k)[:, None] & mask_m[None, :], other=0.0)
-        norm_weight = tl.load(norm_weight_ptr + cols, mask=mask_k, other=0.0)
-        own_sum = tl.sum(own.to(tl.float32) * own.to(tl.float32), axis=0)
-        other_sum = tl.sum(other.to(tl.float32) * other.to(tl.float32), axis=0)
-        inv_rms = tl.rsqrt((own_sum + other_sum) / k + eps)
-        x = rms_normalize(own, inv_rms[None, :], norm_weight[:, None])
-    else:
-        if NORM:
-            inv_rms = _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K)
-        x = _input_tile(x_cols, up_cols, norm_weight_ptr, inv_rms, cols, mask_k, mask_m, SWIGLU, NORM)
+    if NORM:
+        inv_rms = _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K)
+    x = _input_tile(x_cols, up_cols, norm_weight_ptr, inv_rms, cols, mask_k, mask_m, SWIGLU, NORM)
     acc = tl.dot(w, x, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), input_precision=INPUT_PRECISION)
 
     # stage 2: the rest of this program's slice of K
@@ -320,7 +305,6 @@ def rows_gemm_triton(
             NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
             ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, EXACT_ROTARY=x.is_cuda,
             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None, USE_PDL=use_pdl,
-            OWN_TILE_NORM=config.get("own_tile_norm", False),
         ),
         num_warps=config["num_warps"],
         num_stages=1,
