@@ -18,7 +18,7 @@ one of the kernel's probe switches, each of which takes one part out and gives w
 
 Per variant: µs per replayed step (the bounds' tokens part from ``shipped``'s).
 
-It runs at the commit that added it only: the switches (``tma_rows_mlp``'s ``bounds``) are taken out after it.
+It runs at 4770ee4 only: the switches (``tma_rows_mlp``'s ``bounds``) were taken out after it (entry 89).
 
     python benchmarks/probes/session_mlp_bounds_b16.py --out session_mlp_bounds_b16.json --max-cache-len 768
 """

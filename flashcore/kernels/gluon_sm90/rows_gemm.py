@@ -97,26 +97,21 @@ if common.HAS_GLUON:
 
     @gluon.jit
     def copy_weight_tiles(w_desc, w_tiles, u_tiles, ready, row0, up_row0, k0, num_tiles, stage_bytes,
-                          FIRST: gl.constexpr, NUM_STAGES: gl.constexpr, SWIGLU: gl.constexpr,
-                          WEIGHTLESS: gl.constexpr = False):  # fmt: skip
+                          FIRST: gl.constexpr, NUM_STAGES: gl.constexpr, SWIGLU: gl.constexpr):  # fmt: skip
         """Starts the TMA copies of ring stages ``[FIRST, NUM_STAGES)``'s weight tiles (with ``SWIGLU`` the up rows'
         tiles too, from ``up_row0``), each stage's barrier expecting ``stage_bytes`` (the weight tiles and the x tile
         :func:`stream_weight_tiles` copies later)."""
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
         for stage in gl.static_range(FIRST, NUM_STAGES):
             if stage < num_tiles:
-                if WEIGHTLESS:  # probe only, a bound: the stage expects its x tile alone
-                    mbarrier.expect(ready.index(stage), stage_bytes - (2 if SWIGLU else 1) * w_desc.block_type.nbytes)
-                else:
-                    mbarrier.expect(ready.index(stage), stage_bytes)
-                    tma_load(w_desc, [row0, k0 + stage * BLOCK_K], ready.index(stage), w_tiles.index(stage))
-                    if SWIGLU:
-                        tma_load(w_desc, [up_row0, k0 + stage * BLOCK_K], ready.index(stage), u_tiles.index(stage))
+                mbarrier.expect(ready.index(stage), stage_bytes)
+                tma_load(w_desc, [row0, k0 + stage * BLOCK_K], ready.index(stage), w_tiles.index(stage))
+                if SWIGLU:
+                    tma_load(w_desc, [up_row0, k0 + stage * BLOCK_K], ready.index(stage), u_tiles.index(stage))
 
     @gluon.jit
     def stream_weight_tiles(w_desc, x_desc, w_tiles, u_tiles, x_tiles, ready, row0, up_row0, k0, num_tiles, acc,
-                            NUM_STAGES: gl.constexpr, COPIED: gl.constexpr, SWIGLU: gl.constexpr,
-                            WEIGHTLESS: gl.constexpr = False):  # fmt: skip
+                            NUM_STAGES: gl.constexpr, COPIED: gl.constexpr, SWIGLU: gl.constexpr):  # fmt: skip
         """``(acc + W[row0:] @ x.T, the same for W[up_row0:] with SWIGLU)`` over ``num_tiles`` K tiles from ``k0``,
         through the ring: the first ``COPIED`` stages' weight tiles are on their way (:func:`copy_weight_tiles`);
         the rest of the ring's and every x tile are copied from here, and each stage is refilled as soon as its MMA
@@ -124,7 +119,7 @@ if common.HAS_GLUON:
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
         stage_bytes: gl.constexpr = (2 if SWIGLU else 1) * w_desc.block_type.nbytes + x_desc.block_type.nbytes
         copy_weight_tiles(w_desc, w_tiles, u_tiles, ready, row0, up_row0, k0, num_tiles, stage_bytes, COPIED,
-                          NUM_STAGES, SWIGLU, WEIGHTLESS)  # fmt: skip
+                          NUM_STAGES, SWIGLU)  # fmt: skip
         for stage in gl.static_range(NUM_STAGES):
             if stage < num_tiles:
                 tma_load(x_desc, [0, k0 + stage * BLOCK_K], ready.index(stage), x_tiles.index(stage))
@@ -141,13 +136,10 @@ if common.HAS_GLUON:
                 acc = warpgroup_mma_wait(0, deps=[acc])
             refill = i + NUM_STAGES
             if refill < num_tiles:
-                if WEIGHTLESS:
-                    mbarrier.expect(ready.index(slot), x_desc.block_type.nbytes)
-                else:
-                    mbarrier.expect(ready.index(slot), stage_bytes)
-                    tma_load(w_desc, [row0, k0 + refill * BLOCK_K], ready.index(slot), w_tiles.index(slot))
-                    if SWIGLU:
-                        tma_load(w_desc, [up_row0, k0 + refill * BLOCK_K], ready.index(slot), u_tiles.index(slot))
+                mbarrier.expect(ready.index(slot), stage_bytes)
+                tma_load(w_desc, [row0, k0 + refill * BLOCK_K], ready.index(slot), w_tiles.index(slot))
+                if SWIGLU:
+                    tma_load(w_desc, [up_row0, k0 + refill * BLOCK_K], ready.index(slot), u_tiles.index(slot))
                 tma_load(x_desc, [0, k0 + refill * BLOCK_K], ready.index(slot), x_tiles.index(slot))
         return acc, acc_up
 

@@ -75,10 +75,6 @@ if common.HAS_GLUON:
         HAS_DOWN_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
-        GATE_UP_WEIGHTLESS: gl.constexpr = False,  # probe only (bounds): no gate/up weight copies
-        DOWN_WEIGHTLESS: gl.constexpr = False,  # no down weight copies
-        NO_SLICE_WAIT: gl.constexpr = False,  # the down projection does not wait for its slice's activations
-        NO_DOWN_TICKET: gl.constexpr = False,  # each down slice writes its own products as the output
     ):
         BLOCK_N: gl.constexpr = gate_up_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = gate_up_desc.block_type.shape[1]
@@ -119,7 +115,7 @@ if common.HAS_GLUON:
         row0 = pid * BLOCK_N
         if does_gate_up:
             copy_weight_tiles(gate_up_desc, g_tiles, u_tiles, gate_up_ready, row0, intermediate + row0, 0,
-                              gate_up_tiles, gate_up_bytes, 0, GATE_UP_STAGES, True, GATE_UP_WEIGHTLESS)  # fmt: skip
+                              gate_up_tiles, gate_up_bytes, 0, GATE_UP_STAGES, True)  # fmt: skip
         if USE_PDL:
             common.wait_for_previous_grid()
             common.launch_dependents()
@@ -129,11 +125,10 @@ if common.HAS_GLUON:
         if does_gate_up:
             acc, acc_up = stream_weight_tiles(gate_up_desc, x_desc, g_tiles, u_tiles, x_tiles, gate_up_ready, row0,
                                               intermediate + row0, 0, gate_up_tiles, zeros, GATE_UP_STAGES,
-                                              GATE_UP_STAGES, True, GATE_UP_WEIGHTLESS)  # fmt: skip
+                                              GATE_UP_STAGES, True)  # fmt: skip
             if does_down:
                 copy_weight_tiles(down_desc, d_tiles, d_tiles, down_ready, down_row0, down_row0, down_k0,
-                                  down_tiles_per_split, down_bytes, 0, DOWN_PREFETCH, False,
-                                  DOWN_WEIGHTLESS)  # fmt: skip
+                                  down_tiles_per_split, down_bytes, 0, DOWN_PREFETCH, False)  # fmt: skip
             offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
             store_output(acc, acc_up, gate_up_bias_ptr, activated_ptr, activated_ptr, activated_ptr, flags_ptr, pid, 0,
                          offs_n, offs_m, m, intermediate, 0, 1, True, HAS_GATE_UP_BIAS, False)  # fmt: skip
@@ -144,17 +139,15 @@ if common.HAS_GLUON:
         else:
             if does_down:
                 copy_weight_tiles(down_desc, d_tiles, d_tiles, down_ready, down_row0, down_row0, down_k0,
-                                  down_tiles_per_split, down_bytes, 0, DOWN_PREFETCH, False,
-                                  DOWN_WEIGHTLESS)  # fmt: skip
+                                  down_tiles_per_split, down_bytes, 0, DOWN_PREFETCH, False)  # fmt: skip
         for stage in gl.static_range(GATE_UP_STAGES):
             mbarrier.invalidate(gate_up_ready.index(stage))
 
         # Phase 2: down block down_block over K slice split, once that slice's gate/up blocks are written.
         if does_down:
-            if not NO_SLICE_WAIT:
+            done = gl.atomic_add(flags_ptr + split, 0, sem="acquire")
+            while done < blocks_per_split:
                 done = gl.atomic_add(flags_ptr + split, 0, sem="acquire")
-                while done < blocks_per_split:
-                    done = gl.atomic_add(flags_ptr + split, 0, sem="acquire")
             _fence_proxy_async_global()
             # The last of the slice's readers to get past the wait zeroes its two counts for the next launch.
             if gl.atomic_add(flags_ptr + DOWN_SPLIT + split, 1, sem="relaxed") == down_blocks - 1:
@@ -162,11 +155,11 @@ if common.HAS_GLUON:
                 gl.atomic_xchg(flags_ptr + DOWN_SPLIT + split, 0)
             acc, _ = stream_weight_tiles(down_desc, activated_desc, d_tiles, d_tiles, a_tiles, down_ready, down_row0,
                                          down_row0, down_k0, down_tiles_per_split, zeros, DOWN_STAGES, DOWN_PREFETCH,
-                                         False, DOWN_WEIGHTLESS)  # fmt: skip
+                                         False)  # fmt: skip
             offs_n = down_row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
             store_output(acc, acc, down_bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, down_block, split,
-                         offs_n, offs_m, m, hidden, stride_residual_m, 1 if NO_DOWN_TICKET else DOWN_SPLIT, False,
-                         HAS_DOWN_BIAS, HAS_RESIDUAL)  # fmt: skip
+                         offs_n, offs_m, m, hidden, stride_residual_m, DOWN_SPLIT, False, HAS_DOWN_BIAS,
+                         HAS_RESIDUAL)  # fmt: skip
         for stage in gl.static_range(DOWN_STAGES):
             mbarrier.invalidate(down_ready.index(stage))
 
@@ -222,7 +215,6 @@ def tma_rows_mlp(
     gate_up_stages: int | None = None,
     down_stages: int | None = None,
     down_prefetch: int | None = None,
-    bounds: dict | None = None,
 ) -> torch.Tensor:
     """``x`` ``[M, H]`` and the weights as :func:`supports` takes them, biases or None, ``residual`` ``[M, H]`` with
     unit stride along H or None; returns ``out`` (``[M, H]`` contiguous, a new one if None):
@@ -263,7 +255,7 @@ def tma_rows_mlp(
             DOWN_SPLIT=split, GATE_UP_STAGES=gate_up_stages, DOWN_STAGES=down_stages,
             DOWN_PREFETCH=down_prefetch,
             HAS_GATE_UP_BIAS=gate_up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
-            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl, **(bounds or {}),
+            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
         num_warps=4,
         num_stages=1,
