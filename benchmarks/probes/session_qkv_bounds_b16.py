@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
-QKV = (3072, 2048)  # bench_generate's model, fused q/k/v
 VARIANTS = {  # name: (the q/k/v config's overrides,)
     "shipped": (None,),
     "weightless": (dict(weightless=True),),
@@ -44,13 +43,8 @@ VARIANTS = {  # name: (the q/k/v config's overrides,)
 }
 
 
-def timed_session(model, input_ids, overrides: dict | None) -> dict:
-    with harness.rows_gemm_config_replaced(QKV if overrides else None, overrides or {}, norm_only=True):
-        return harness.session_steps(model, input_ids, fuse_projections=True, layer_kernels=True)
-
-
 def main() -> None:
-    harness.session_probe_main(__doc__, VARIANTS, timed_session, reference="shipped", batch=16)
+    harness.qkv_config_probe_main(__doc__, VARIANTS)
 
 
 if __name__ == "__main__":
