@@ -449,18 +449,18 @@ def rows_gemm_config_replaced(shape: tuple[int, int] | None, overrides: dict, no
 QKV_SHAPE = (3072, 2048)  # bench_generate's model: the fused q/k/v weight, [N, K]
 
 
-def qkv_config_probe_main(doc: str, variants: dict) -> None:
+def qkv_config_probe_main(doc: str, variants: dict, report: dict | None = None) -> None:
     """The main of the B=16 probes that try options of the q/k/v projection's few-row GEMM (the norm and the RoPE
     inside): :func:`session_probe_main` over ``variants`` (name: ``(overrides,)``, a dict that updates
     ``rows_gemm_config``'s answer for ``QKV_SHAPE`` where the norm is folded in, or None for the shipped
     configuration), each session built and captured inside :func:`rows_gemm_config_replaced`; ``"shipped"`` is the
-    reference."""
+    reference; ``report`` as :func:`session_probe_main` takes it."""
 
     def timed_session(model, input_ids, overrides: dict | None) -> dict:
         with rows_gemm_config_replaced(QKV_SHAPE if overrides else None, overrides or {}, norm_only=True):
             return session_steps(model, input_ids, fuse_projections=True, layer_kernels=True)
 
-    session_probe_main(doc, variants, timed_session, reference="shipped", batch=16)
+    session_probe_main(doc, variants, timed_session, reference="shipped", batch=16, report=report)
 
 
 def bench_model_and_prompts(batch: int, device: torch.device, prompt_len: int = 512) -> tuple:
