@@ -21,7 +21,7 @@ Per variant: µs per replayed step and the first step where row 0's 32 tokens pa
 on one random q/k/v call of bench_generate's shape (16 rows, bf16), the largest difference of the shipped and the
 exchanged outputs from an fp32 torch reference (norm, projection, RoPE), and from each other.
 
-It runs at the commit that added it; ``norm_sums`` stays in the kernel only if NOTES.md says it was kept.
+It runs at 8c30f2c only: ``norm_sums`` was taken out of the kernel after it (entry 89).
 
     python benchmarks/probes/session_qkv_norm_sums_b16.py --out session_qkv_norm_sums_b16.json --max-cache-len 768
 """

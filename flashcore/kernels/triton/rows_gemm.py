@@ -147,8 +147,6 @@ def _rows_gemm_kernel(
     stride_cos_m,
     k_per_split,  # a multiple of BLOCK_K
     eps,  # the norm's; used only when NORM
-    norm_sums_ptr,  # probe only (NORM_SUMS 2): [blocks, SPLIT_K, BLOCK_M] fp32
-    norm_counts_ptr,  # probe only (NORM_SUMS 2): [2 * blocks] int32, zero between launches
     rotated,  # outputs [0, rotated) are heads of D = 2 * HALF to rotate, a multiple of BLOCK_N; used only when ROTARY
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -163,7 +161,6 @@ def _rows_gemm_kernel(
     EXACT_ROTARY: tl.constexpr,  # layer_kernels.rotate_halves' EXACT
     INPUT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs; None: tl.dot's default (fp16, bf16)
     USE_PDL: tl.constexpr,
-    NORM_SUMS: tl.constexpr = 0,  # probe only; needs k_per_split == BLOCK_K
 ):
     block = tl.program_id(0)
     split = tl.program_id(1)
@@ -188,34 +185,9 @@ def _rows_gemm_kernel(
         gdc_wait()  # x (and up, the residual) come from the kernels before
         gdc_launch_dependents()
     inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM and NORM_SUMS > 0:
-        # Probe only: each program sums the squares of its own slice of x, which it keeps for its MMA. 1: those sums
-        # alone (a bound: wrong values); 2: the sums exchanged with the row block's other programs through global
-        # memory (each writes its own, counts itself, waits for the count, then adds all in slice order).
-        own = tl.load(x_cols + cols[:, None], mask=mask_k[:, None] & mask_m[None, :], other=0.0)
-        sums = tl.sum(own.to(tl.float32) * own.to(tl.float32), axis=0)
-        if NORM_SUMS == 2:
-            block_sums = norm_sums_ptr + block * SPLIT_K * BLOCK_M
-            tl.store(block_sums + split * BLOCK_M + offs_m, sums)
-            tl.debug_barrier()
-            tl.atomic_add(norm_counts_ptr + block, 1, sem="release")
-            count = tl.atomic_add(norm_counts_ptr + block, 0, sem="acquire")
-            while count < SPLIT_K:
-                count = tl.atomic_add(norm_counts_ptr + block, 0, sem="acquire")
-            sums = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                sums += tl.load(block_sums + s * BLOCK_M + offs_m, cache_modifier=".cg")
-            # The last of the block's programs past the wait zeroes both counts for the next launch.
-            if tl.atomic_add(norm_counts_ptr + tl.num_programs(0) + block, 1, sem="relaxed") == SPLIT_K - 1:
-                tl.atomic_xchg(norm_counts_ptr + block, 0)
-                tl.atomic_xchg(norm_counts_ptr + tl.num_programs(0) + block, 0)
-        inv_rms = tl.rsqrt(sums / k + eps)
-        norm_weight = tl.load(norm_weight_ptr + cols, mask=mask_k, other=0.0)
-        x = rms_normalize(own, inv_rms[None, :], norm_weight[:, None])
-    else:
-        if NORM:
-            inv_rms = _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K)
-        x = _input_tile(x_cols, up_cols, norm_weight_ptr, inv_rms, cols, mask_k, mask_m, SWIGLU, NORM)
+    if NORM:
+        inv_rms = _inverse_rms_rows(x_cols, mask_m, k, eps, BLOCK_K)
+    x = _input_tile(x_cols, up_cols, norm_weight_ptr, inv_rms, cols, mask_k, mask_m, SWIGLU, NORM)
     acc = tl.dot(w, x, tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), input_precision=INPUT_PRECISION)
 
     # stage 2: the rest of this program's slice of K
@@ -319,10 +291,6 @@ def rows_gemm_triton(
         tickets = scratch_buffer("rows_gemm_tickets", blocks, torch.int32, x.device)
     use_pdl = uses_programmatic_launch(x.device)
     unused = out  # stands in for the pointers the constexpr switches keep the kernel from reading
-    norm_sums, norm_counts = unused, unused
-    if config.get("norm_sums", 0) == 2:
-        norm_sums = scratch_buffer("rows_gemm_norm_sums", blocks * split_k * MAX_ROWS, torch.float32, x.device)
-        norm_counts = scratch_buffer("rows_gemm_norm_counts", 2 * blocks, torch.int32, x.device)
     _launch_rows_gemm(
         (blocks, split_k, 1),
         (
@@ -330,15 +298,13 @@ def rows_gemm_triton(
             residual if residual is not None else unused, norm_weight if norm_weight is not None else unused,
             cos if cos is not None else unused, sin if sin is not None else unused, partial, tickets, out, m, n, k,
             x.stride(0), up.stride(0) if up is not None else 0, residual.stride(0) if residual is not None else 0,
-            weight.stride(0), cos.stride(0) if cos is not None else 0, k_per_split, float(eps), norm_sums, norm_counts,
-            rotated,
+            weight.stride(0), cos.stride(0) if cos is not None else 0, k_per_split, float(eps), rotated,
         ),
         dict(
             BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SWIGLU=up is not None,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None, HAS_RESIDUAL=residual is not None,
             ROTARY=cos is not None, HALF=cos.shape[-1] // 2 if cos is not None else 1, EXACT_ROTARY=x.is_cuda,
             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else None, USE_PDL=use_pdl,
-            NORM_SUMS=config.get("norm_sums", 0),
         ),
         num_warps=config["num_warps"],
         num_stages=1,
