@@ -32,6 +32,7 @@ from flashcore.kernels.scratch import scratch_buffer
 
 MAX_ROWS = 16
 BLOCK_N = 64  # weight rows per program: one warpgroup's MMA
+EARLY_RESIDUAL = True  # probe switch: the residual tile loaded right after the PDL wait
 BLOCK_K = 128  # K per tile: 16 KB of bf16 weight
 
 if common.HAS_GLUON:
@@ -56,6 +57,7 @@ if common.HAS_GLUON:
         HAS_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
+        EARLY_RESIDUAL: gl.constexpr,  # the residual tile loaded right after the wait, not after the products
     ):
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
@@ -83,15 +85,18 @@ if common.HAS_GLUON:
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
         )
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
+        offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+        residual = load_residual(residual_ptr, offs_n, offs_m, m, n_out, stride_residual_m, acc,
+                                 HAS_RESIDUAL and EARLY_RESIDUAL)  # fmt: skip
         acc, acc_up = stream_weight_tiles(w_desc, x_desc, w_tiles, u_tiles, x_tiles, ready, row0, n_out + row0, k0,
                                           tiles_per_split, acc, NUM_STAGES, NUM_STAGES, SWIGLU)  # fmt: skip
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.invalidate(ready.index(stage))
 
-        offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-        offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
         store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, block, split, offs_n,
-                     offs_m, m, n_out, stride_residual_m, SPLIT_K, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+                     offs_m, m, n_out, stride_residual_m, SPLIT_K, SWIGLU, HAS_BIAS, HAS_RESIDUAL, residual,
+                     EARLY_RESIDUAL)  # fmt: skip
 
     # The pieces of the kernel above, which kernels/gluon_sm90/rows_mlp.py runs as well.
 
@@ -144,10 +149,20 @@ if common.HAS_GLUON:
         return acc, acc_up
 
     @gluon.jit
+    def load_residual(residual_ptr, offs_n, offs_m, m, n_out, stride_residual_m, like, LOAD: gl.constexpr):
+        """The residual's tile of ``out.T`` at ``[offs_n, offs_m]`` where ``LOAD`` (``like`` otherwise, unread): loaded
+        right after the PDL wait, its round trip is off the epilogue's path (:func:`store_output`'s ``LOADED``)."""
+        tile = like
+        if LOAD:
+            mask = (offs_n < n_out)[:, None] & (offs_m < m)[None, :]
+            tile = gl.load(residual_ptr + offs_m[None, :] * stride_residual_m + offs_n[:, None], mask=mask)
+        return tile
+
+    @gluon.jit
     def store_output(
         acc, acc_up, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, block, split, offs_n, offs_m, m, n_out,
         stride_residual_m, SPLIT_K: gl.constexpr, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr,
-        HAS_RESIDUAL: gl.constexpr,
+        HAS_RESIDUAL: gl.constexpr, residual, LOADED: gl.constexpr,
     ):  # fmt: skip
         """Writes ``out.T``'s tile ``[offs_n, offs_m]`` (``out`` ``[m, n_out]``) from this K slice's products: at one
         slice through :func:`_epilogue`; in ``SPLIT_K`` slices each writes its products to its partial, and the last
@@ -174,11 +189,11 @@ if common.HAS_GLUON:
                     if SWIGLU:
                         acc_up += gl.load(split_tile + n_out, mask=mask, other=0.0, cache_modifier=".cg")
                 _epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
-                          stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+                          stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL, residual, LOADED)  # fmt: skip
                 gl.atomic_xchg(tickets_ptr + block, 0)
         else:
             _epilogue(acc, acc_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
-                      stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL)  # fmt: skip
+                      stride_residual_m, SWIGLU, HAS_BIAS, HAS_RESIDUAL, residual, LOADED)  # fmt: skip
 
     @gluon.jit
     def _silu_and_mul(gate, up):
@@ -191,7 +206,8 @@ if common.HAS_GLUON:
     @gluon.jit
     def _epilogue(
         total, total_up, bias_ptr, residual_ptr, out_ptr, tile, offs_n, offs_m, mask_n, mask, n_out,
-        stride_residual_m, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr,
+        stride_residual_m, SWIGLU: gl.constexpr, HAS_BIAS: gl.constexpr, HAS_RESIDUAL: gl.constexpr, residual,
+        LOADED: gl.constexpr,
     ):  # fmt: skip
         """The Triton kernel's epilogue: plus the bias in fp32, rounded (with ``SWIGLU``, gate and up each, then
         ``silu_and_mul`` of the two); plus the residual, rounded again."""
@@ -203,7 +219,8 @@ if common.HAS_GLUON:
         if SWIGLU:
             out = _silu_and_mul(out, total_up.to(out_ptr.dtype.element_ty))
         if HAS_RESIDUAL:
-            residual = gl.load(residual_ptr + offs_m[None, :] * stride_residual_m + offs_n[:, None], mask=mask)
+            if not LOADED:
+                residual = gl.load(residual_ptr + offs_m[None, :] * stride_residual_m + offs_n[:, None], mask=mask)
             out = (out.to(gl.float32) + residual.to(gl.float32)).to(out_ptr.dtype.element_ty)
         gl.store(out_ptr + tile, out, mask=mask)
 
@@ -326,7 +343,7 @@ def tma_rows_gemm(
         ),
         dict(
             SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), SWIGLU=swiglu, HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
+            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl, EARLY_RESIDUAL=EARLY_RESIDUAL,
         ),
         num_warps=4,
         num_stages=1,

@@ -39,7 +39,12 @@ BLOCK_K = tma_rows_gemm.BLOCK_K
 
 if common.HAS_GLUON:
     from flashcore.kernels.gluon_sm90.common import gl, gluon, mbarrier
-    from flashcore.kernels.gluon_sm90.rows_gemm import copy_weight_tiles, store_output, stream_weight_tiles
+    from flashcore.kernels.gluon_sm90.rows_gemm import (
+        copy_weight_tiles,
+        load_residual,
+        store_output,
+        stream_weight_tiles,
+    )
 
     @gluon.jit
     def _fence_proxy_async_global():
@@ -75,6 +80,7 @@ if common.HAS_GLUON:
         HAS_DOWN_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
+        EARLY_RESIDUAL: gl.constexpr,  # rows_gemm's
     ):
         BLOCK_N: gl.constexpr = gate_up_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = gate_up_desc.block_type.shape[1]
@@ -119,6 +125,9 @@ if common.HAS_GLUON:
         if USE_PDL:
             common.wait_for_previous_grid()
             common.launch_dependents()
+        down_offs_n = down_row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
+        residual = load_residual(residual_ptr, down_offs_n, offs_m, m, hidden, stride_residual_m, zeros,
+                                 HAS_RESIDUAL and EARLY_RESIDUAL)  # fmt: skip
 
         # Phase 1: gate/up block pid, with the SiLU-and-mul, as rows_gemm's swiglu call; then phase 2's first
         # weight tiles, before this block is counted.
@@ -131,7 +140,7 @@ if common.HAS_GLUON:
                                   down_tiles_per_split, down_bytes, 0, DOWN_PREFETCH, False)  # fmt: skip
             offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
             store_output(acc, acc_up, gate_up_bias_ptr, activated_ptr, activated_ptr, activated_ptr, flags_ptr, pid, 0,
-                         offs_n, offs_m, m, intermediate, 0, 1, True, HAS_GATE_UP_BIAS, False)  # fmt: skip
+                         offs_n, offs_m, m, intermediate, 0, 1, True, HAS_GATE_UP_BIAS, False, acc, False)  # fmt: skip
             # Every warp's stores before the count (the split-K ticket's pattern); release: they are visible to
             # whoever acquires the count.
             common.partition_barrier()
@@ -156,10 +165,9 @@ if common.HAS_GLUON:
             acc, _ = stream_weight_tiles(down_desc, activated_desc, d_tiles, d_tiles, a_tiles, down_ready, down_row0,
                                          down_row0, down_k0, down_tiles_per_split, zeros, DOWN_STAGES, DOWN_PREFETCH,
                                          False)  # fmt: skip
-            offs_n = down_row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
             store_output(acc, acc, down_bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, down_block, split,
-                         offs_n, offs_m, m, hidden, stride_residual_m, DOWN_SPLIT, False, HAS_DOWN_BIAS,
-                         HAS_RESIDUAL)  # fmt: skip
+                         down_offs_n, offs_m, m, hidden, stride_residual_m, DOWN_SPLIT, False, HAS_DOWN_BIAS,
+                         HAS_RESIDUAL, residual, EARLY_RESIDUAL)  # fmt: skip
         for stage in gl.static_range(DOWN_STAGES):
             mbarrier.invalidate(down_ready.index(stage))
 
@@ -255,7 +263,7 @@ def tma_rows_mlp(
             DOWN_SPLIT=split, GATE_UP_STAGES=gate_up_stages, DOWN_STAGES=down_stages,
             DOWN_PREFETCH=down_prefetch,
             HAS_GATE_UP_BIAS=gate_up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
-            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
+            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl, EARLY_RESIDUAL=tma_rows_gemm.EARLY_RESIDUAL,
         ),
         num_warps=4,
         num_stages=1,
