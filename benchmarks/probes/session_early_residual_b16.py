@@ -12,7 +12,10 @@ This probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and `
 ``--rounds`` rounds, ``EARLY_RESIDUAL`` set while each session is built and captured:
 
 - ``after``: the residual loaded in the epilogue, as before;
-- ``early``: loaded after the wait.
+- ``early``: loaded after the wait;
+- ``early_norm_weight_first``: also the RMSNorm kernel (the add-and-norm between the o projection and the MLP, and
+  the final norm) loading its weight before its PDL wait, where it loaded it after the row's reduction
+  (``layer_kernels.NORM_WEIGHT_FIRST``): the weight depends on no kernel.
 
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``after``'s (None
 expected: the same bits).
@@ -30,17 +33,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 
 from flashcore.kernels.gluon_sm90 import rows_gemm  # noqa: E402
+from flashcore.kernels.triton import layer_kernels  # noqa: E402
 
-VARIANTS = {"after": (False,), "early": (True,)}  # name: (rows_gemm.EARLY_RESIDUAL,)
+VARIANTS = {  # name: (rows_gemm.EARLY_RESIDUAL, layer_kernels.NORM_WEIGHT_FIRST)
+    "after": (False, False),
+    "early": (True, False),
+    "early_norm_weight_first": (True, True),
+}
 
 
-def timed_session(model, input_ids, early: bool) -> dict:
-    shipped = rows_gemm.EARLY_RESIDUAL
-    rows_gemm.EARLY_RESIDUAL = early
+def timed_session(model, input_ids, early: bool, weight_first: bool) -> dict:
+    shipped = rows_gemm.EARLY_RESIDUAL, layer_kernels.NORM_WEIGHT_FIRST
+    rows_gemm.EARLY_RESIDUAL, layer_kernels.NORM_WEIGHT_FIRST = early, weight_first
     try:
         return harness.session_steps(model, input_ids, fuse_projections=True, layer_kernels=True)
     finally:
-        rows_gemm.EARLY_RESIDUAL = shipped
+        rows_gemm.EARLY_RESIDUAL, layer_kernels.NORM_WEIGHT_FIRST = shipped
 
 
 def main() -> None:
