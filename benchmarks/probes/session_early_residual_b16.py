@@ -20,6 +20,9 @@ This probe times a ``DecodeSession``'s replayed step (``fuse_projections`` and `
 Per variant: µs per replayed step and the first step where row 0's 32 tokens part from ``after``'s (None
 expected: the same bits).
 
+It runs at e651992 (c8244d4: the first two variants) only: both loads are the kernels' rule since, without the
+switches (entry 90).
+
     python benchmarks/probes/session_early_residual_b16.py --out session_early_residual_b16.json --max-cache-len 768
 """
 

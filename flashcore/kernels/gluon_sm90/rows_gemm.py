@@ -32,7 +32,6 @@ from flashcore.kernels.scratch import scratch_buffer
 
 MAX_ROWS = 16
 BLOCK_N = 64  # weight rows per program: one warpgroup's MMA
-EARLY_RESIDUAL = True  # probe switch: the residual tile loaded right after the PDL wait
 BLOCK_K = 128  # K per tile: 16 KB of bf16 weight
 
 if common.HAS_GLUON:
@@ -57,7 +56,6 @@ if common.HAS_GLUON:
         HAS_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
-        EARLY_RESIDUAL: gl.constexpr,  # the residual tile loaded right after the wait, not after the products
     ):
         BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
@@ -87,8 +85,7 @@ if common.HAS_GLUON:
         acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, mma)
         offs_n = row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
         offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
-        residual = load_residual(residual_ptr, offs_n, offs_m, m, n_out, stride_residual_m, acc,
-                                 HAS_RESIDUAL and EARLY_RESIDUAL)  # fmt: skip
+        residual = load_residual(residual_ptr, offs_n, offs_m, m, n_out, stride_residual_m, acc, HAS_RESIDUAL)
         acc, acc_up = stream_weight_tiles(w_desc, x_desc, w_tiles, u_tiles, x_tiles, ready, row0, n_out + row0, k0,
                                           tiles_per_split, acc, NUM_STAGES, NUM_STAGES, SWIGLU)  # fmt: skip
         for stage in gl.static_range(NUM_STAGES):
@@ -96,7 +93,7 @@ if common.HAS_GLUON:
 
         store_output(acc, acc_up, bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, block, split, offs_n,
                      offs_m, m, n_out, stride_residual_m, SPLIT_K, SWIGLU, HAS_BIAS, HAS_RESIDUAL, residual,
-                     EARLY_RESIDUAL)  # fmt: skip
+                     HAS_RESIDUAL)  # fmt: skip
 
     # The pieces of the kernel above, which kernels/gluon_sm90/rows_mlp.py runs as well.
 
@@ -343,7 +340,7 @@ def tma_rows_gemm(
         ),
         dict(
             SPLIT_K=split_k, NUM_STAGES=min(num_stages, tiles_per_split), SWIGLU=swiglu, HAS_BIAS=bias is not None,
-            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl, EARLY_RESIDUAL=EARLY_RESIDUAL,
+            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
         num_warps=4,
         num_stages=1,

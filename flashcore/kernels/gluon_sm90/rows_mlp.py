@@ -80,7 +80,6 @@ if common.HAS_GLUON:
         HAS_DOWN_BIAS: gl.constexpr,
         HAS_RESIDUAL: gl.constexpr,
         USE_PDL: gl.constexpr,
-        EARLY_RESIDUAL: gl.constexpr,  # rows_gemm's
     ):
         BLOCK_N: gl.constexpr = gate_up_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = gate_up_desc.block_type.shape[1]
@@ -126,8 +125,7 @@ if common.HAS_GLUON:
             common.wait_for_previous_grid()
             common.launch_dependents()
         down_offs_n = down_row0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma))
-        residual = load_residual(residual_ptr, down_offs_n, offs_m, m, hidden, stride_residual_m, zeros,
-                                 HAS_RESIDUAL and EARLY_RESIDUAL)  # fmt: skip
+        residual = load_residual(residual_ptr, down_offs_n, offs_m, m, hidden, stride_residual_m, zeros, HAS_RESIDUAL)
 
         # Phase 1: gate/up block pid, with the SiLU-and-mul, as rows_gemm's swiglu call; then phase 2's first
         # weight tiles, before this block is counted.
@@ -167,7 +165,7 @@ if common.HAS_GLUON:
                                          False)  # fmt: skip
             store_output(acc, acc, down_bias_ptr, residual_ptr, out_ptr, partial_ptr, tickets_ptr, down_block, split,
                          down_offs_n, offs_m, m, hidden, stride_residual_m, DOWN_SPLIT, False, HAS_DOWN_BIAS,
-                         HAS_RESIDUAL, residual, EARLY_RESIDUAL)  # fmt: skip
+                         HAS_RESIDUAL, residual, HAS_RESIDUAL)  # fmt: skip
         for stage in gl.static_range(DOWN_STAGES):
             mbarrier.invalidate(down_ready.index(stage))
 
@@ -263,7 +261,7 @@ def tma_rows_mlp(
             DOWN_SPLIT=split, GATE_UP_STAGES=gate_up_stages, DOWN_STAGES=down_stages,
             DOWN_PREFETCH=down_prefetch,
             HAS_GATE_UP_BIAS=gate_up_bias is not None, HAS_DOWN_BIAS=down_bias is not None,
-            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl, EARLY_RESIDUAL=tma_rows_gemm.EARLY_RESIDUAL,
+            HAS_RESIDUAL=residual is not None, USE_PDL=use_pdl,
         ),
         num_warps=4,
         num_stages=1,

@@ -25,7 +25,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from flashcore.kernels.launch import CachedLauncher, uses_programmatic_launch
 
 MAX_NORM_WIDTH = 65536  # one program holds a whole row of the norm in registers
-NORM_WEIGHT_FIRST = False  # probe switch: the RMSNorm kernel loads its weight before its PDL wait
 
 
 @triton.jit
@@ -42,7 +41,6 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     USE_PDL: tl.constexpr,
-    WEIGHT_FIRST: tl.constexpr = False,  # probe switch: the norm's weight loaded before the PDL wait
 ):
     """One program per row: ``weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)``, in fp32 with HF's one rounding
     before the weight. With ``HAS_RESIDUAL``, ``x`` is first replaced by ``(residual + x).to(dtype)``, written to
@@ -50,8 +48,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    if WEIGHT_FIRST:
-        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)  # no kernel writes it: before the wait
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -62,8 +59,6 @@ def _rms_norm_kernel(
         tl.store(sum_ptr + row * hidden + offs, x, mask=mask)
     squares = x.to(tl.float32) * x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / hidden + eps)
-    if not WEIGHT_FIRST:
-        weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + row * hidden + offs, rms_normalize(x, inv_rms, weight), mask=mask)
 
 
@@ -234,7 +229,7 @@ def _launch_norm(x, residual, weight, eps, sum_out, out) -> None:
             x, residual if has_residual else x, weight, sum_out if has_residual else out, out,
             x.stride(0), residual.stride(0) if has_residual else 0, hidden, float(eps),
         ),
-        dict(BLOCK=block, HAS_RESIDUAL=has_residual, USE_PDL=use_pdl, WEIGHT_FIRST=NORM_WEIGHT_FIRST),
+        dict(BLOCK=block, HAS_RESIDUAL=has_residual, USE_PDL=use_pdl),
         num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
         num_stages=1,
         launch_pdl=use_pdl,
