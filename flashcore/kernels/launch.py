@@ -45,8 +45,8 @@ def uses_programmatic_launch(device: torch.device) -> bool:
       have finished. The split merge is the exception: it releases first, so that a model's o projection streams its
       weight during the attention (entry 59), and the attention launch before it may still run;
     - before its wait a kernel reads only what no kernel that may still run writes: the GEMV its weight (entry 53),
-      the Gluon decode kernel ``seq_lens`` and the cached prefix (entry 59; right after this cache's own split merge
-      it waits first, ``split_merge.follows_merge_of``).
+      the RMSNorm kernel its weight (entry 90), the Gluon decode kernel ``seq_lens`` and the cached prefix (entry 59;
+      right after this cache's own split merge it waits first, ``split_merge.follows_merge_of``).
 
     Inductor's PDL kernels (a compiled ``DecodeSession`` step) wait before their first load and release after their
     last, which keeps the first rule. The interpreter has no grid dependencies to wait on, and cannot run the wait.
