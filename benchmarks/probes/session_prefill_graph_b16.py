@@ -1,20 +1,21 @@
 """Issue 29: a B=16 ``DecodeSession``'s generate as ``bench_generate`` times it, its prefill eager or from a graph.
 
-``bench_generate``'s ``kernels_session`` row times whole generates on the host clock: a reset, the prefill of 16 x
-512 tokens, 255 replayed decode steps and one read of the text. Its decode step (1262.6 µs at 1568d69) is longer than
-the session probes' (1246.9 µs, back-to-back replays after 31 warm-up steps, entry 86), and the GPU waits on the host
-through the prefill's first layer (2.8 ms, entry 84). This probe times both in one process, on ``DecodeSession``s
-with ``fuse_projections`` and ``layer_kernels``:
+``bench_generate``'s ``kernels_session`` row times whole generates on the host clock: a reset, the prefill of 16 x 512
+tokens, 255 replayed decode steps and one read of the text. Its decode step (1262.6 µs at 1568d69) is longer than the
+``DecodeSession`` probes' (``probes/session_*_b16.py``: 1246.9 µs, back-to-back replays after 31 warm-up steps, entry
+86), and the GPU waits on the host through the prefill's first layer (2.8 ms, entry 84). This probe times both in one
+process, on ``DecodeSession``s with ``fuse_projections`` and ``layer_kernels``:
 
-- ``eager``: the generate as the bench ran it before entry 87's change, on a session with ``capture_prefill=False``;
-- ``graph``: the same on a second session, whose prefill replays a CUDA graph (``capture_prefill``, the default
-  since entry 87: the shape's second prefill captures it). At a264aa1, before ``capture_prefill``, this probe
+- ``eager``: the generate as the bench ran it before entry 87's change, on a ``DecodeSession`` with
+  ``capture_prefill=False``;
+- ``graph``: the same on a second ``DecodeSession``, whose prefill replays a CUDA graph (``capture_prefill``, the
+  default since entry 87: the shape's second prefill captures it). At a264aa1, before ``capture_prefill``, this probe
   captured ``session.prefill`` itself on one ``DecodeSession``.
 
-Each generate records CUDA events at its start, after the prefill and after the decode steps, and the host clock
-around it; the two variants alternate, ``--rounds`` times each, and after each round each ``DecodeSession``'s steps
-are timed as the session probes time them (``harness.ms_per_call_repeated``, 5 x ``--replays`` replays). Tokens:
-each variant's are compared with the first eager generate's.
+Each generate records CUDA events at its start, after the prefill and after the decode steps, and the host clock around
+it; the two variants alternate, ``--rounds`` times each, and after each round each ``DecodeSession``'s steps are timed
+as the ``DecodeSession`` probes time them (``harness.ms_per_call_repeated``, 5 x ``--replays`` replays). Tokens: each
+variant's are compared with the first eager generate's.
 
     python benchmarks/probes/session_prefill_graph_b16.py --out x.json
 """
