@@ -111,10 +111,12 @@ def plot_generate(payload: dict, path: Path, second_run: dict | None = None) -> 
     by_key = {(r["path"], r["B"]): r for r in payload["rows"] if r.get("status") == "ok"}
     extra = {(r["path"], r["B"]): r for r in (second_run or {}).get("rows", []) if r.get("status") == "ok"}
     from_extra = {key: row for key, row in extra.items() if key not in by_key}
+    copy_tb = payload.get("ceilings", {}).get("copy_tb_per_s")
+    bandwidth_ceiling = f"measured copy, {copy_tb:.2f} TB/s" if copy_tb else "3.0 TB/s"
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, key, ylabel, title in (
         (axes[0], "tok_per_s", "tokens / s", "HF generate throughput (prompt + decode)"),
-        (axes[1], "bandwidth_util_pct", "% of 3.0 TB/s", "Model-bandwidth utilisation, decode steps"),
+        (axes[1], "bandwidth_util_pct", f"% of {bandwidth_ceiling}", "Model-bandwidth utilisation, decode steps"),
     ):
         series = {f"B={b}": [{**from_extra, **by_key}.get((p, b), {}).get(key) for p in paths] for b in batches}
         hatched = {f"B={b}": [(p, b) in from_extra for p in paths] for b in batches}

@@ -54,6 +54,8 @@ REFERENCE_PATH = "stock_static_compiled"
 # A second bench_generate run beside bench_generate.json, for the cells the first one skipped (its time budget).
 GENERATE_SECOND_RUN = "bench_generate_b16.json"
 EXTRA_RUN_MARK = "†"
+# The same benchmark on an H200, in a table of its own below the H100 run's.
+GENERATE_H200_RUN = "bench_generate_h200.json"
 
 
 def _wrap(text: str) -> str:
@@ -198,16 +200,25 @@ def _generate_cells(payload: dict, path: str, batch: int, mark: str = "") -> dic
     return {
         "tok_per_s": f"{row['tok_per_s']:.1f}{mark}",
         "ratio": f"{row['tok_per_s'] / reference['tok_per_s']:.2f}×{mark}" if reference else "—",
-        "bandwidth": f"{row['bandwidth_util_pct']:.0f}%{mark}",
+        "bandwidth": "—" if row["bandwidth_util_pct"] is None else f"{row['bandwidth_util_pct']:.0f}%{mark}",
         "tokens": tokens + mark if tokens and tokens != "reference" else tokens,
     }
+
+
+def generate_ceiling(payload: dict) -> str:
+    """What a bench_generate run's bandwidth column is a share of: the copy it measured, or (runs before the
+    measurement was added) the nominal figure its formula names."""
+    copy_tb = payload.get("ceilings", {}).get("copy_tb_per_s")
+    if copy_tb:
+        return f"a device-memory copy measured in the same run ({copy_tb:.2f} TB/s)"
+    nominal = re.search(r"against ([0-9.]+) TB/s", payload["formulas"]["bandwidth_util_pct"])
+    return f"{nominal.group(1) if nominal else 'the nominal'} TB/s"
 
 
 def generate_block(payload: dict, extra: dict | None = None, json_name: str = "bench_generate.json") -> str:
     """The run line and one row per path; cells the main run skipped come from ``extra`` (a second run), marked †."""
     config = payload["model"]["config"]
     settings = payload["settings"]
-    nominal = re.search(r"against ([0-9.]+) TB/s", payload["formulas"]["bandwidth_util_pct"])
     lines = [
         f"`bench_generate.py`: {_run(payload)}; {_raw_data(json_name)}. "
         f"A random-weight `{config['model_type']}` model with hidden size {config['hidden_size']}, "
@@ -216,7 +227,7 @@ def generate_block(payload: dict, extra: dict | None = None, json_name: str = "b
         f"({payload['model']['weight_bytes'] / 1e9:.2f} GB of {config['dtype']} weights); a prompt of "
         f"{settings['prompt_len']} random tokens, {settings['new_tokens']} new tokens, greedy. tok/s counts the "
         "prefill; bandwidth is the bytes a decode step must read (every weight once, plus the KV cache) over the "
-        f"decode step's time, as a share of {nominal.group(1) if nominal else 'the nominal'} TB/s. The tokens column "
+        f"decode step's time, as a share of {generate_ceiling(payload)}. The tokens column "
         f"counts the rows whose {settings['new_tokens']} greedy tokens equal the same model's eager `generate`; "
         "the last column is the warm-up: from the loaded model to the first and third tokens of the path's first call "
         "(compiles and graph captures happen there; the paths run in the table's order, in one process).",
@@ -436,8 +447,10 @@ def update_readme(readme_path: Path = README_PATH, results_dir: Path = RESULTS_D
     extra_path = results_dir / GENERATE_SECOND_RUN
     extra = _load(extra_path) if extra_path.exists() else None
     text = replace_block(text, "bench_generate", generate_block(generate, extra))
+    h200 = _load(results_dir / GENERATE_H200_RUN)
+    text = replace_block(text, "bench_generate_h200", generate_block(h200, json_name=GENERATE_H200_RUN))
     text = replace_block(text, "bench_cpu", cpu_block(_load(results_dir / "bench_cpu.json")))
     text = replace_block(text, "bench_multi_gpu", multi_gpu_block(_load(results_dir / "bench_multi_gpu.json")))
     text = replace_block(text, "bench_serve", serve_block(_load(results_dir / "bench_serve.json")))
     readme_path.write_text(text)
-    return ["bench_attention", "bench_generate", "bench_cpu", "bench_multi_gpu", "bench_serve"]
+    return ["bench_attention", "bench_generate", "bench_generate_h200", "bench_cpu", "bench_multi_gpu", "bench_serve"]
