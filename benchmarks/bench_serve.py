@@ -42,8 +42,6 @@ from bench_generate import build_config, build_model
 from flashcore.engine import Engine, SamplingParams
 from flashcore.integrations.llama import flashcore_options
 
-COPY_TB_PER_S = 3.0
-
 
 class NullTokenizer:
     """Random weights have no text: outputs are token ids; the engine asks the tokenizer for text and EOS."""
@@ -197,8 +195,11 @@ def run_static_waves(model, requests, device, sync, wave: int = 16) -> dict:
             "output_tok_per_s": round(tokens / (end - start), 1)}  # fmt: skip
 
 
-def decode_bandwidth(engine: Engine, config, weight_bytes: int, rows: int, context: int, sync) -> dict:
-    """Fills ``rows`` rows with ``context``-token prompts, then times decode-only steps (graph replays)."""
+def decode_bandwidth(
+    engine: Engine, config, weight_bytes: int, rows: int, context: int, sync, copy_tb_per_s: float | None
+) -> dict:
+    """Fills ``rows`` rows with ``context``-token prompts, then times decode-only steps (graph replays). The
+    bandwidth is a share of ``copy_tb_per_s``, the device-memory copy measured at the run's start (none on the CPU)."""
     rng = random.Random(7)
     params = SamplingParams(max_tokens=min(100, engine.max_cache_len - context), temperature=0, ignore_eos=True)
     for _ in range(rows):
@@ -222,7 +223,9 @@ def decode_bandwidth(engine: Engine, config, weight_bytes: int, rows: int, conte
         "step_ms": round(step_s * 1e3, 3),
         "tok_per_s": round(rows / step_s, 1),
         "bytes_per_step": weight_bytes + kv_bytes,
-        "bandwidth_util_pct": round(100 * (weight_bytes + kv_bytes) / step_s / (COPY_TB_PER_S * 1e12), 1),
+        "bandwidth_util_pct": (
+            round(100 * (weight_bytes + kv_bytes) / step_s / (copy_tb_per_s * 1e12), 1) if copy_tb_per_s else None
+        ),
     }
 
 
@@ -289,6 +292,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     started = time.perf_counter()
     device, payload, json_path, _ = harness.start_run("bench_serve", args)
+    payload["ceilings"] = harness.measure_copy_tb_per_s(device) if device.type == "cuda" else {}
     config = build_config(args.dry_run)
     model = build_model(config, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -347,7 +351,8 @@ def main(argv=None) -> dict:
         rows, context = min(64, args.max_batch_size), 1024 // scale
 
         def decode_64(row):
-            row.update(decode_bandwidth(new_engine(rows), config, weight_bytes, rows, context, sync))
+            copy_tb_per_s = payload["ceilings"].get("copy_tb_per_s")
+            row.update(decode_bandwidth(new_engine(rows), config, weight_bytes, rows, context, sync, copy_tb_per_s))
 
         record({"workload": "decode_64", "system": "flashcore_engine"}, decode_64)
     if "lone" in args.sections:

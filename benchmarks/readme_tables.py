@@ -14,7 +14,6 @@ prose around the markers by hand, never the text between them.
 from __future__ import annotations
 
 import json
-import re
 import textwrap
 from pathlib import Path
 
@@ -205,14 +204,11 @@ def _generate_cells(payload: dict, path: str, batch: int, mark: str = "") -> dic
     }
 
 
-def generate_ceiling(payload: dict) -> str:
-    """What a bench_generate run's bandwidth column is a share of: the copy it measured, or (runs before the
-    measurement was added) the nominal figure its formula names."""
+def bandwidth_ceiling(payload: dict) -> str:
+    """What a run's bandwidth shares are of: the device-memory copy it measured at its start, or, for the runs of
+    bench_generate and bench_serve before 896bdf4, which measured none, the fixed 3.0 TB/s they divided by."""
     copy_tb = payload.get("ceilings", {}).get("copy_tb_per_s")
-    if copy_tb:
-        return f"a device-memory copy measured in the same run ({copy_tb:.2f} TB/s)"
-    nominal = re.search(r"against ([0-9.]+) TB/s", payload["formulas"]["bandwidth_util_pct"])
-    return f"{nominal.group(1) if nominal else 'the nominal'} TB/s"
+    return f"a device-memory copy measured in the same run ({copy_tb:.2f} TB/s)" if copy_tb else "3.0 TB/s"
 
 
 def generate_block(payload: dict, extra: dict | None = None, json_name: str = "bench_generate.json") -> str:
@@ -227,7 +223,7 @@ def generate_block(payload: dict, extra: dict | None = None, json_name: str = "b
         f"({payload['model']['weight_bytes'] / 1e9:.2f} GB of {config['dtype']} weights); a prompt of "
         f"{settings['prompt_len']} random tokens, {settings['new_tokens']} new tokens, greedy. tok/s counts the "
         "prefill; bandwidth is the bytes a decode step must read (every weight once, plus the KV cache) over the "
-        f"decode step's time, as a share of {generate_ceiling(payload)}. The tokens column "
+        f"decode step's time, as a share of {bandwidth_ceiling(payload)}. The tokens column "
         f"counts the rows whose {settings['new_tokens']} greedy tokens equal the same model's eager `generate`; "
         "the last column is the warm-up: from the loaded model to the first and third tokens of the path's first call "
         "(compiles and graph captures happen there; the paths run in the table's order, in one process).",
@@ -414,7 +410,8 @@ def serve_block(payload: dict, json_name: str = "bench_serve.json") -> str:
     if decode:
         facts.append(
             f"a decode step with {decode['rows']} running rows at {decode['context']:,} tokens of context takes "
-            f"{decode['step_ms']:.2f} ms, {decode['bandwidth_util_pct']:.1f}% of 3.0 TB/s for its weights and KV"
+            f"{decode['step_ms']:.2f} ms, {decode['bandwidth_util_pct']:.1f}% of {bandwidth_ceiling(payload)} for its "
+            "weights and KV"
         )
     if lone:
         facts.append(
