@@ -29,13 +29,13 @@ together: their timed generates alternate (``--no-interleave-eager`` times them 
 
 Reported per row: tok/s = B * 256 / generate time, ms per step = time / 256 (issue 5's definition, prefill
 included), the decode-only ms per step (time minus a 1-token generate, the median of three, over 255), and
-model-bandwidth utilisation = (weight bytes + KV bytes read per decode step) / decode step time / 3.0 TB/s. Inductor's
-"skipping cudagraphs" warnings and its cudagraph_skips counter are recorded per path. Greedy tokens are compared
-with the eager path of the same model (issue 5: identical) and with stock eager (reported). Warm-up (issue 29): the
-warm-up generate's total time, and the seconds from its call to each of its first three tokens
-(``warmup_first_tokens_s``: the prefill's token, then the first decode step's, where HF's compile and a compiled
-session's compile happen, then the second's, where a session captures its graph). Paths run in the order above, in
-one process, so a later path finds the Triton kernels an earlier one compiled.
+model-bandwidth utilisation = (weight bytes + KV bytes read per decode step) / decode step time / the device-memory
+copy measured at the run's start. Inductor's "skipping cudagraphs" warnings and its cudagraph_skips counter are
+recorded per path. Greedy tokens are compared with the eager path of the same model (issue 5: identical) and with
+stock eager (reported). Warm-up (issue 29): the warm-up generate's total time, and the seconds from its call to each
+of its first three tokens (``warmup_first_tokens_s``: the prefill's token, then the first decode step's, where HF's
+compile and a compiled session's compile happen, then the second's, where a session captures its graph). Paths run
+in the order above, in one process, so a later path finds the Triton kernels an earlier one compiled.
 
     python benchmarks/bench_generate.py --out DIR             # ~5-7 min on an H100, most of it compiling
     TRITON_INTERPRET=1 python benchmarks/bench_generate.py --dry-run --out /tmp/x   # tiny model on the CPU: tests

@@ -12,7 +12,8 @@ every request generates exactly its ``max_tokens``). Workloads, all with fixed s
   ``hf_continuous`` (``init_continuous_batching``'s manager, requests added at their arrival times), each rate
   for both unless the time budget says otherwise.
 - ``decode_64``: the engine's decode-only step with 64 running rows at 1024 tokens of context (CUDA-graph
-  replay), and the bandwidth it reaches: (weight bytes + KV bytes read) / step time, against 3.0 TB/s.
+  replay), and the bandwidth it reaches: (weight bytes + KV bytes read) / step time, as a share of a
+  device-memory copy measured at the run's start.
 - ``lone``: one request (prompt 512, 256 new tokens): the engine's median inter-token latency against
   ``DecodeSession``'s decode step on the same model.
 
