@@ -205,8 +205,8 @@ def _generate_cells(payload: dict, path: str, batch: int, mark: str = "") -> dic
 
 
 def bandwidth_ceiling(payload: dict) -> str:
-    """What a run's bandwidth shares are of: the device-memory copy it measured at its start, or, for the runs of
-    bench_generate and bench_serve before 896bdf4, which measured none, the fixed 3.0 TB/s they divided by."""
+    """What a run's bandwidth shares are of: the device-memory copy it measured at its start, or the fixed 3.0 TB/s
+    that runs from before the measurement divided by (bench_generate before 896bdf4, bench_serve before cdff87c)."""
     copy_tb = payload.get("ceilings", {}).get("copy_tb_per_s")
     return f"a device-memory copy measured in the same run ({copy_tb:.2f} TB/s)" if copy_tb else "3.0 TB/s"
 
